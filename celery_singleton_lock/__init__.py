@@ -1,0 +1,46 @@
+"""celery-singleton-lock: a task with given arguments never runs twice at once.
+
+    from celery_singleton_lock import LockedTask
+
+    @app.task(base=LockedTask, bind=True, lock_key=["sku"], on_duplicate="retry")
+    def deduct(self, sku, qty): ...
+
+The engine underneath (:class:`LockServer`, :class:`Lock`) and the watchdog
+work without Celery too; see :func:`held`.
+"""
+
+from .exceptions import (
+    DuplicateTask,
+    LockBackendUnavailable,
+    LockContended,
+    LockError,
+    LockKeyError,
+    LockLost,
+)
+from .lock import Holder, Lock, LockServer
+from .plain import held
+from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
+from .task import LockedTask
+from .watchdog import Watchdog, get_watchdog
+
+__all__ = [
+    "LockedTask",
+    "LockLost",
+    "DuplicateTask",
+    "LockContended",
+    "LockError",
+    "LockKeyError",
+    "LockBackendUnavailable",
+    "Lock",
+    "LockServer",
+    "Holder",
+    "held",
+    "Watchdog",
+    "get_watchdog",
+    "lock_acquired",
+    "lock_released",
+    "duplicate_skipped",
+    "lock_lost",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,73 @@
+"""The package's errors.
+
+Every error here keeps all of its constructor arguments in ``self.args``, and
+only JSON-friendly values in them (strings, numbers, None). That is what lets a
+Celery result backend store one and rebuild it on the other side, with pickle
+or with JSON: Celery re-creates an exception as ``cls(*args)``. An exception that
+cannot be rebuilt that way kills the worker that tries (celery-singleton #55).
+"""
+
+from __future__ import annotations
+
+
+class LockError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class LockBackendUnavailable(LockError):
+    """The lock's Redis could not be reached (connection refused, timeout, ...).
+
+    ``url`` is shown without its password.
+    """
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(url, reason)
+        self.url = url
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"cannot reach the lock's Redis at {self.url}: {self.reason}"
+
+
+class LockLost(LockError):
+    """The lock this execution held is gone: expired, deleted or taken by another."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(key, reason)
+        self.key = key
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"lock {self.key!r} was lost: {self.reason}"
+
+
+class DuplicateTask(LockError):
+    """Raised (``on_duplicate="raise"``) when another execution holds the key."""
+
+    def __init__(self, key: str, holder_task_id: str | None) -> None:
+        super().__init__(key, holder_task_id)
+        self.key = key
+        self.holder_task_id = holder_task_id
+
+    def __str__(self) -> str:
+        return f"lock {self.key!r} is held by task {self.holder_task_id}"
+
+
+class LockContended(LockError):
+    """The lock stayed held for all the retries a duplicate was allowed."""
+
+    def __init__(self, key: str, holder_task_id: str | None, attempts: int) -> None:
+        super().__init__(key, holder_task_id, attempts)
+        self.key = key
+        self.holder_task_id = holder_task_id
+        self.attempts = attempts
+
+    def __str__(self) -> str:
+        return (
+            f"lock {self.key!r} was still held by task {self.holder_task_id} "
+            f"after {self.attempts} attempts"
+        )
+
+
+class LockKeyError(LockError, TypeError):
+    """The task's arguments cannot be turned into a lock key."""

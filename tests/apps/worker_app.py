@@ -1,0 +1,76 @@
+"""The Celery app that real `celery worker` subprocesses in the tests run.
+
+Its Redis comes from the environment (CSL_REDIS_URL_BASE, e.g.
+redis://127.0.0.1:PORT), with separate databases for broker (0), results (1)
+and locks (2). Tasks record their execution intervals in Redis db 3 so the
+tests can check that no two bodies with one key overlapped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+from celery import Celery
+
+from celery_singleton_lock import LockedTask
+
+BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
+
+app = Celery("worker_app", broker=f"{BASE}/0", backend=f"{BASE}/1")
+app.conf.update(
+    singleton_lock_url=f"{BASE}/2",
+    singleton_lock_ttl=float(os.environ.get("CSL_LOCK_TTL", "5")),
+    singleton_lock_retry_backoff=0.1,
+    singleton_lock_retry_backoff_max=0.5,
+    worker_prefetch_multiplier=1,
+    task_acks_late=os.environ.get("CSL_ACKS_LATE") == "1",
+    broker_transport_options={"visibility_timeout": float(os.environ.get("CSL_VISIBILITY", "3600"))},
+    worker_max_tasks_per_child=int(os.environ.get("CSL_MAX_TASKS_PER_CHILD", "0")) or None,
+)
+
+journal = redis.Redis.from_url(f"{BASE}/3")
+
+
+def record(name: str, key: str, start: float, end: float) -> None:
+    """Append one execution interval (wall clock, same machine) to the journal."""
+    journal.rpush(f"runs:{name}:{key}", f"{start}:{end}:{os.getpid()}")
+
+
+@app.task(base=LockedTask, bind=True, lock_ttl=None)
+def hold(self, key: str, seconds: float, tag: str = "") -> dict:
+    """Hold the lock for ``seconds``, recording the interval and the fencing token."""
+    start = time.time()
+    journal.rpush(f"started:{key}", f"{self.request.id}:{os.getpid()}")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+    lock = self.lock
+    end = time.time()
+    record("hold", key, start, end)
+    return {"pid": os.getpid(), "fence": lock.fencing_token, "lost": lock.lost, "tag": tag}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry")
+def hold_retry(self, key: str, seconds: float, tag: str = "") -> dict:
+    start = time.time()
+    time.sleep(seconds)
+    record("hold_retry", key, start, time.time())
+    return {"pid": os.getpid(), "tag": tag}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="skip")
+def hold_skip(self, key: str, seconds: float, tag: str = "") -> dict:
+    start = time.time()
+    time.sleep(seconds)
+    record("hold_skip", key, start, time.time())
+    return {"pid": os.getpid(), "tag": tag}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="raise")
+def hold_raise(self, key: str, seconds: float, tag: str = "") -> dict:
+    start = time.time()
+    time.sleep(seconds)
+    record("hold_raise", key, start, time.time())
+    return {"pid": os.getpid(), "tag": tag}

