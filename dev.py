@@ -40,7 +40,8 @@ def ensure_venv(extras: str = "test") -> None:
         say(f"creating virtualenv {VENV}")
         venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
     say(f"installing the package with extras [{extras}]")
-    subprocess.check_call([str(PY), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e", f".[{extras}]"], cwd=ROOT)
+    pip = [str(PY), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.check_call([*pip, "-e", f".[{extras}]"], cwd=ROOT)
     stamp.write_text(want)
 
 

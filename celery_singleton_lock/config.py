@@ -146,7 +146,9 @@ def lock_url(conf: Any) -> str:
     url = conf.get("singleton_lock_url")
     if url:
         if not _is_redis(url):
-            raise ValueError(f"setting singleton_lock_url must be a redis://, rediss:// or unix:// URL, got {redact_url(str(url))!r}")
+            raise ValueError(
+                f"setting singleton_lock_url must be a redis://, rediss:// or unix:// URL, got {redact_url(str(url))!r}"
+            )
         return url
     for candidate in (conf.get("result_backend"), conf.get("broker_url")):
         if _is_redis(candidate):

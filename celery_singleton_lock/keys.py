@@ -24,11 +24,11 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import date, datetime, time, timezone
 from decimal import Decimal
-from typing import Any, Union
+from typing import Any
 
 from .exceptions import LockKeyError
 
-KeySpec = Union[None, Sequence[str], Callable[..., str]]
+KeySpec = Sequence[str] | Callable[..., str] | None
 
 
 def make_key(prefix: str, task_name: str, identity: Any) -> str:

@@ -32,10 +32,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from redis.retry import Retry
 
 from .exceptions import LockBackendUnavailable, LockError, LockLost
@@ -348,24 +347,24 @@ class LockServer:
         """
         if not locks:
             return []
-        sha = self._sha(RENEW_MANY)
         chunks = [locks[i : i + chunk] for i in range(0, len(locks), chunk)]
         sent = time.monotonic()
         try:
+            sha = self._sha(RENEW_MANY)
             replies = self._pipeline_evalsha(sha, chunks)
             if any(isinstance(r, NoScriptError) for r in replies):
                 self._shas.pop(RENEW_MANY, None)
                 sha = self._sha(RENEW_MANY)
                 replies = self._pipeline_evalsha(sha, chunks)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except RedisError as exc:
             err = LockBackendUnavailable(self.url, str(exc) or type(exc).__name__)
             return [err] * len(locks)
         out: list[bool | LockError] = []
-        for part, reply in zip(chunks, replies):
+        for part, reply in zip(chunks, replies, strict=False):
             if isinstance(reply, Exception):
                 out.extend([LockError(f"renewal failed on {self.url}: {reply}")] * len(part))
                 continue
-            for lock, flag in zip(part, reply):
+            for lock, flag in zip(part, reply, strict=False):
                 ok = int(flag) == 1
                 if ok:
                     lock.confirmed_at = sent

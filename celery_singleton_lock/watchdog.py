@@ -31,7 +31,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Optional
 
 from .exceptions import LockError
 from .lock import Lock, LockServer
@@ -62,7 +61,7 @@ class Watchdog:
         self.pid = os.getpid()
         self._cond = threading.Condition()
         self._wheel: TimerWheel[Lock] = TimerWheel(tick, start=time.monotonic())
-        self._on_lost: dict[Lock, Optional[OnLost]] = {}
+        self._on_lost: dict[Lock, OnLost | None] = {}
         self._in_flight: set[Lock] = set()
         self._twins: dict[LockServer, LockServer] = {}
         self._thread: threading.Thread | None = None
@@ -166,7 +165,8 @@ class Watchdog:
         for server, locks in by_server.items():
             results = self._twin(server).renew_many(locks, chunk=self.chunk)
             self.batches += 1
-            outcomes.extend(zip(locks, results))
+            outcomes.extend(zip(locks, results, strict=False))
+        failed: list[tuple[Lock, LockError]] = []
         with self._cond:
             now = time.monotonic()
             for lock, result in outcomes:
@@ -177,13 +177,18 @@ class Watchdog:
                 elif result is False:
                     lost.append((lock, "no longer the owner (expired, deleted or taken)", None))
                 else:  # transport error: try again next tick, up to the local deadline
-                    logger.warning("renewal of lock %s failed, will retry: %s", lock.key, result)
+                    failed.append((lock, result))
                     self._wheel.schedule(lock, min(now + self.tick, self._deadline(lock)))
             reported = []
             for lock, reason, _ in lost:
                 if lock in self._on_lost:
                     reported.append((lock, reason, self._on_lost.pop(lock)))
-            return reported
+        if failed:
+            logger.warning(
+                "renewal of %d lock(s) failed, retrying next tick (first: %s): %s",
+                len(failed), failed[0][0].key, failed[0][1],
+            )
+        return reported
 
     def _deadline(self, lock: Lock) -> float:
         """Local time after which Redis may have let the lock expire."""

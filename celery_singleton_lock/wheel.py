@@ -10,7 +10,8 @@ worker: whoever drives the wheel decides what to do with what comes due.
 from __future__ import annotations
 
 import math
-from typing import Generic, Hashable, TypeVar
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
 

@@ -97,7 +97,7 @@ def worker_processes(redis_server: RedisServer, tmp_path):
     """Start real ``celery worker`` subprocesses running tests/apps/worker_app.py; stopped at the end."""
     started: list[WorkerProcess] = []
 
-    def _start(pool: str = "prefork", concurrency: int = 2, env: dict[str, str] | None = None, **kwargs) -> WorkerProcess:
+    def _start(pool: str = "prefork", concurrency: int = 2, env: dict | None = None, **kwargs) -> WorkerProcess:
         worker_env = {
             "CSL_REDIS_URL_BASE": f"redis://127.0.0.1:{redis_server.port}",
             "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),

@@ -1,4 +1,3 @@
-import time
 
 from celery_singleton_lock import LockedTask
 
