@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -152,6 +153,97 @@ class RedisServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Monitor:
+    """Record every command clients send to a server (Redis MONITOR), in a thread.
+
+    Commands that scripts run are left out, so ``commands()`` is exactly what
+    went over the wire: use it to count round trips or to prove that no
+    renewal was sent for a key.
+
+        with Monitor(server) as mon:
+            ...
+        mon.commands()   # [["EVALSHA", sha, "1", key, ...], ...]
+    """
+
+    def __init__(self, server: RedisServer, db: int | None = None) -> None:
+        self.server = server
+        self.db = db
+        self._client = server.client()
+        self._records: list[tuple[float, int, list[str]]] = []
+        self._thread: threading.Thread | None = None
+        self._monitor = None
+
+    def __enter__(self) -> Monitor:
+        self._monitor = self._client.monitor()
+        self._monitor.__enter__()
+        ready = threading.Event()
+        marker = f"csl-monitor-{id(self)}"
+
+        def listen() -> None:
+            try:
+                for event in self._monitor.listen():
+                    if event.get("client_type") == "lua":
+                        continue
+                    words = _split_monitor(event["command"])
+                    if words[:2] == ["ECHO", marker]:
+                        ready.set()
+                        if self._stopping:
+                            return
+                        continue
+                    self._records.append((event["time"], int(event.get("db", 0)), words))
+            except Exception:
+                return
+
+        self._stopping = False
+        self._thread = threading.Thread(target=listen, daemon=True)
+        self._thread.start()
+        with self.server.client() as c:  # the MONITOR is live once it sees this
+            wait_until(lambda: c.echo(marker) and ready.wait(0.05), 10, 0.0, "MONITOR to start")
+        self._marker = marker
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sync()
+        self._stopping = True
+        with self.server.client() as c:
+            c.echo(self._marker)
+        if self._thread is not None:
+            self._thread.join(5)
+        try:
+            self._monitor.__exit__(None, None, None)
+        except Exception:
+            pass
+        self._client.close()
+
+    def sync(self) -> None:
+        """Wait until every command sent before this call has been recorded."""
+        marker = f"csl-sync-{time.monotonic_ns()}"
+        with self.server.client() as c:
+            c.echo(marker)
+        wait_until(lambda: any(w[:2] == ["ECHO", marker] for _, _, w in self._records), 10, 0.01, "MONITOR sync")
+        self._records = [r for r in self._records if r[2][:2] != ["ECHO", marker]]
+
+    def commands(self, db: int | None = None) -> list[list[str]]:
+        """Commands seen so far (without connection set-up: HELLO, SELECT, CLIENT, ECHO, PING)."""
+        want = self.db if db is None else db
+        skip = {"HELLO", "SELECT", "CLIENT", "ECHO", "PING", "MONITOR", "INFO"}
+        return [w for _, d, w in self._records if (want is None or d == want) and w and w[0].upper() not in skip]
+
+    def clear(self) -> None:
+        self.sync()
+        self._records.clear()
+
+
+def _split_monitor(command: str) -> list[str]:
+    """redis-py gives MONITOR's command as one string of quoted words; split it back."""
+    import shlex
+
+    try:
+        return shlex.split(command)
+    except ValueError:
+        return command.split()
 
 
 class WorkerProcess:
