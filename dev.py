@@ -2,6 +2,7 @@
 """The project's two commands, each doing all of its own set-up.
 
     python3 dev.py demo    # run the inventory demo (the main job)
+    python3 dev.py demo beat   # the beat example: periodic runs never overlap
     python3 dev.py test    # run the whole test suite (what CI runs)
     python3 dev.py bench   # run the benchmarks (not part of CI)
 
@@ -80,6 +81,8 @@ def main() -> int:
         return run([str(PY), "-m", "pytest", *rest])
     if cmd == "demo":
         ensure_venv()
+        if rest[:1] == ["beat"]:
+            return run([str(PY), "examples/beat/demo.py", *rest[1:]])
         return run([str(PY), "examples/inventory/demo.py", *rest])
     if cmd == "bench":
         ensure_venv("test,bench")
