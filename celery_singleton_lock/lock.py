@@ -52,12 +52,18 @@ ACQUIRE = """
 -- {2, 0} this owner already finished for good (a redelivery to drop).
 local held = redis.call('GET', KEYS[1])
 if held then
-  if string.sub(held, 1, #ARGV[1]) == ARGV[1] then
-    -- our own token: a re-acquire after a lost reply; just refresh the ttl
-    redis.call('PEXPIRE', KEYS[1], ARGV[3])
-    return {1, tonumber(redis.call('HGET', KEYS[2], 'fence') or '0')}
+  if string.sub(held, 1, #ARGV[1]) ~= ARGV[1] then
+    return {0, held, redis.call('PTTL', KEYS[1])}
   end
-  return {0, held, redis.call('PTTL', KEYS[1])}
+  -- our own token: a re-acquire after a lost reply. Refresh the ttls and hand
+  -- back the same fence; if the state hash expired meanwhile, fall through
+  -- and hand out a new one (never 0).
+  local fence = redis.call('HGET', KEYS[2], 'fence')
+  if fence then
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    redis.call('PEXPIRE', KEYS[2], ARGV[4])
+    return {1, tonumber(fence)}
+  end
 end
 if ARGV[5] ~= '' and redis.call('HGET', KEYS[2], 'done') == ARGV[5] then
   return {2, 0}
@@ -76,7 +82,8 @@ return {1, fence}
 
 RELEASE = """
 -- KEYS[1] lock key, KEYS[2] its state hash
--- ARGV[1] "<token> " prefix, ARGV[2] owner id to remember as done ('' for none)
+-- ARGV[1] "<token> " prefix, ARGV[2] owner id to remember as done ('' for none),
+-- ARGV[3] state ttl ms
 -- Deletes the lock only while this token holds it. Returns 1 deleted, 0 not ours.
 local held = redis.call('GET', KEYS[1])
 if not held or string.sub(held, 1, #ARGV[1]) ~= ARGV[1] then
@@ -85,6 +92,8 @@ end
 redis.call('DEL', KEYS[1])
 if ARGV[2] ~= '' then
   redis.call('HSET', KEYS[2], 'done', ARGV[2])
+  -- the hash may have expired while the lock was held: never leave it immortal
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
 return 1
 """
@@ -120,6 +129,8 @@ def redact_url(url: str) -> str:
         return url
     user = parts.username or ""
     host = parts.hostname or ""
+    if ":" in host:  # IPv6: keep its brackets
+        host = f"[{host}]"
     if parts.port is not None:
         host = f"{host}:{parts.port}"
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
@@ -326,7 +337,9 @@ class LockServer:
         as done, so a later redelivery of the same owner is told so by acquire.
         """
         owner = (lock.owner_id or "") if finished else ""
-        deleted = bool(self._run(RELEASE, (lock.key, lock.key + ":state"), (lock.prefix, owner)))
+        deleted = bool(
+            self._run(RELEASE, (lock.key, lock.key + ":state"), (lock.prefix, owner, _ms(self.state_ttl)))
+        )
         lock.released = True
         return deleted
 

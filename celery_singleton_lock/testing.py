@@ -182,17 +182,20 @@ class Monitor:
         marker = f"csl-monitor-{id(self)}"
 
         def listen() -> None:
+            # Raw lines, not redis-py's Monitor.listen(): that one joins the words with
+            # spaces, so an argument holding a space or a quote cannot be split back.
+            conn = self._monitor.connection
             try:
-                for event in self._monitor.listen():
-                    if event.get("client_type") == "lua":
+                while True:
+                    stamp, db, client, words = _parse_monitor_line(conn.read_response())
+                    if client == "lua":
                         continue
-                    words = _split_monitor(event["command"])
                     if words[:2] == ["ECHO", marker]:
                         ready.set()
                         if self._stopping:
                             return
                         continue
-                    self._records.append((event["time"], int(event.get("db", 0)), words))
+                    self._records.append((stamp, db, words))
             except Exception:
                 return
 
@@ -236,14 +239,39 @@ class Monitor:
         self._records.clear()
 
 
-def _split_monitor(command: str) -> list[str]:
-    """redis-py gives MONITOR's command as one string of quoted words; split it back."""
-    import shlex
+_MONITOR_ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("a"): b"\a", ord("b"): b"\b"}
 
-    try:
-        return shlex.split(command)
-    except ValueError:
-        return command.split()
+
+def _parse_monitor_line(line: bytes | str) -> tuple[float, int, str, list[str]]:
+    """One MONITOR line, ``1700000000.123 [2 127.0.0.1:5555] "SET" "k" "a \\"b\\""``,
+    as (time, db, client, words), each word unescaped the way Redis escaped it."""
+    raw = line.encode() if isinstance(line, str) else bytes(line)
+    stamp, _, rest = raw.partition(b" ")
+    head, _, tail = rest.partition(b"] ")
+    db, _, client = head[1:].partition(b" ")
+    words: list[str] = []
+    i, n = 0, len(tail)
+    while i < n:
+        if tail[i] != ord('"'):
+            i += 1
+            continue
+        i += 1
+        word = bytearray()
+        while i < n and tail[i] != ord('"'):
+            if tail[i] == ord("\\") and i + 1 < n:
+                nxt = tail[i + 1]
+                if nxt == ord("x") and i + 3 < n:
+                    word.append(int(tail[i + 2 : i + 4], 16))
+                    i += 4
+                else:
+                    word += _MONITOR_ESCAPES.get(nxt, bytes([nxt]))
+                    i += 2
+                continue
+            word.append(tail[i])
+            i += 1
+        words.append(word.decode("utf-8", "replace"))
+        i += 1
+    return float(stamp), int(db), client.decode(), words
 
 
 class WorkerProcess:

