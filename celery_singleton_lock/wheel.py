@@ -1,10 +1,14 @@
 """A hashed timer wheel: the watchdog's bookkeeping, with no I/O and no threads.
 
-Time is cut into ticks; a timer due at tick ``t`` sits in bucket ``t % size``.
-Scheduling and cancelling are O(1) (a dict insert or delete); each tick looks
-at one bucket and takes out the timers whose tick has come (timers further
-away, "later rounds", stay). This is Netty's HashedWheelTimer without its
+Time is cut into ticks of ``tick`` seconds from ``start``; tick ``n`` is the
+instant ``start + n * tick``. A timer due at tick ``t`` sits in bucket
+``t % size``. Scheduling and cancelling are O(1) (a dict insert or delete);
+processing a tick looks at one bucket and takes out the timers whose tick has
+come, while timers further away ("later rounds", more than ``size`` ticks
+ahead) stay where they are. This is Netty's HashedWheelTimer without its
 worker: whoever drives the wheel decides what to do with what comes due.
+
+A timer never fires early: it is due at the first tick at or after its time.
 """
 
 from __future__ import annotations
@@ -15,14 +19,22 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
 
+_EPS = 1e-9  # in ticks: absorbs float error, so a time on a tick maps to that tick
+
 
 class TimerWheel(Generic[T]):
+    """Items scheduled for a time, handed back by :meth:`advance` on their tick.
+
+    ``current`` is the next tick to process; a time at or before it means
+    "on the next processed tick".
+    """
+
     def __init__(self, tick: float, size: int = 512, start: float = 0.0) -> None:
-        if not tick > 0:
-            raise ValueError(f"tick must be > 0 seconds, got {tick!r}")
-        if size < 1:
-            raise ValueError(f"size must be >= 1, got {size!r}")
-        self.tick = tick
+        if isinstance(tick, bool) or not isinstance(tick, (int, float)) or not 0 < tick < math.inf:
+            raise ValueError(f"tick must be a number of seconds > 0, got {tick!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be an int >= 1, got {size!r}")
+        self.tick = float(tick)
         self.size = size
         self.start = start
         self.current = 0  # the next tick to process
@@ -37,19 +49,29 @@ class TimerWheel(Generic[T]):
 
     def tick_of(self, when: float) -> int:
         """The first tick at or after the time ``when``."""
-        return math.ceil((when - self.start) / self.tick - 1e-9)
+        return math.ceil((when - self.start) / self.tick - _EPS)
 
     def time_of(self, tick: int) -> float:
+        """The instant of tick ``tick``."""
         return self.start + tick * self.tick
 
-    def schedule(self, item: T, when: float) -> None:
-        """(Re)schedule ``item`` for time ``when``; a past time means the next tick."""
+    def due_tick(self, item: T) -> int | None:
+        """The tick ``item`` is due at, or None when it is not scheduled."""
+        return self._where.get(item)
+
+    def schedule(self, item: T, when: float) -> int:
+        """(Re)schedule ``item`` for time ``when``; a past time means the next tick. O(1).
+
+        Returns the tick it is due at.
+        """
         self.cancel(item)
         due = max(self.tick_of(when), self.current)
         self._buckets[due % self.size][item] = due
         self._where[item] = due
+        return due
 
     def cancel(self, item: T) -> bool:
+        """Unschedule ``item``; False when it was not scheduled. O(1)."""
         due = self._where.pop(item, None)
         if due is None:
             return False
@@ -57,10 +79,15 @@ class TimerWheel(Generic[T]):
         return True
 
     def advance(self, now: float) -> list[T]:
-        """Process every tick up to ``now``; return (and unschedule) what came due."""
-        last = math.floor((now - self.start) / self.tick + 1e-9)
+        """Process every tick up to ``now``; return (and unschedule) what came due.
+
+        After a long stall every overdue item comes back once, and each bucket
+        is visited at most once (one lap), however many ticks were missed.
+        """
+        last = math.floor((now - self.start) / self.tick + _EPS)
+        if last < self.current:
+            return []
         due: list[T] = []
-        # Never walk more than one lap: after a long stall every bucket is visited once.
         stop = min(last, self.current + self.size - 1)
         for t in range(self.current, stop + 1):
             bucket = self._buckets[t % self.size]
@@ -71,5 +98,5 @@ class TimerWheel(Generic[T]):
                 del bucket[item]
                 del self._where[item]
             due.extend(ready)
-        self.current = max(self.current, last + 1)
+        self.current = last + 1
         return due

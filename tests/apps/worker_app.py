@@ -74,3 +74,84 @@ def hold_raise(self, key: str, seconds: float, tag: str = "") -> dict:
     time.sleep(seconds)
     record("hold_raise", key, start, time.time())
     return {"pid": os.getpid(), "tag": tag}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="skip")
+def watchdog_hold(self, key: str, seconds: float, tag: str = "") -> dict:
+    """For tests/test_watchdog_workers.py: hold the lock ``seconds`` (I/O-style sleeps, so it
+    also suits gevent/eventlet), then insist it was never lost. Records its interval."""
+    start = time.time()
+    journal.rpush(f"started:watchdog_hold:{key}", f"{self.request.id}:{os.getpid()}")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    self.lock.ensure()  # raises LockLost if the watchdog could not keep it
+    record("watchdog_hold", key, start, time.time())
+    return {"pid": os.getpid(), "lost": self.lock.lost, "fence": self.lock.fencing_token, "tag": tag}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="skip")
+def watchdog_busy(self, key: str, seconds: float) -> dict:
+    """For tests/test_watchdog_workers.py: CPU-bound, never yields. Under gevent/eventlet it
+    starves the watchdog greenlet (the documented limit); the loss must still be reported."""
+    deadline = time.monotonic() + seconds
+    spins = 0
+    while time.monotonic() < deadline:
+        spins += 1
+    return {"pid": os.getpid(), "lost": self.lock.lost, "spins": spins}
+
+
+# -- for tests/test_task_*.py (LockedTask exit paths, crashes, redelivery) -------------------
+
+
+def _journal_event(key: str, event: str, task, **extra) -> None:
+    import json
+
+    lock = task.lock
+    journal.rpush(f"journaled:{key}", json.dumps({
+        "event": event, "id": task.request.id, "pid": os.getpid(), "at": time.time(),
+        "fence": lock.fencing_token if lock is not None else None, **extra,
+    }))
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"])
+def journaled(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
+    """Journal start and end (task id, pid, fencing token) under journaled:<key>; hold ``seconds``."""
+    _journal_event(key, "start", self, tag=tag)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+    _journal_event(key, "end", self, tag=tag)
+    return {"pid": os.getpid(), "tag": tag, "fence": self.lock.fencing_token}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], lock_ttl=60, soft_time_limit=1, time_limit=30)
+def soft_limited(self, key: str) -> None:
+    """Runs into its soft time limit (SoftTimeLimitExceeded, prefork only). A long lock_ttl:
+    only the release can free the key soon."""
+    _journal_event(key, "start", self)
+    deadline = time.monotonic() + 25
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+class _FailureJournaledTask(LockedTask):
+    """Journals what on_failure sees: after a hard time limit it runs in the MAIN process,
+    with an empty request (no lock handle, no id)."""
+
+    def on_failure(self, exc, task_id, args, kwargs, einfo):
+        import json
+
+        journal.rpush("on_failure", json.dumps({
+            "task_id": task_id, "request_id": self.request.id, "lock": repr(self.lock),
+            "pid": os.getpid(), "exc": type(exc).__name__,
+        }))
+
+
+@app.task(base=_FailureJournaledTask, bind=True, lock_key=["key"], time_limit=1)
+def hard_limited(self, key: str) -> None:
+    """Runs into its hard time limit: the child is killed; the lock expires with its ttl."""
+    _journal_event(key, "start", self)
+    deadline = time.monotonic() + 25
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
