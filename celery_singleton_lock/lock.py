@@ -209,7 +209,15 @@ class Lock:
         return self.token + " "
 
     def ensure(self) -> None:
-        """Raise :class:`LockLost` if this lock is known to be gone."""
+        """Raise :class:`LockLost` if this lock is gone, or may be.
+
+        Besides what the watchdog reported, this checks the clock: a lock not
+        confirmed for a whole TTL may have expired in Redis even if nobody has
+        said so yet (a watchdog starved by a CPU-bound greenlet, a lock that
+        was never tracked).
+        """
+        if not self.lost and time.monotonic() >= self.confirmed_at + self.ttl:
+            self.mark_lost(f"not confirmed for its whole ttl of {self.ttl:g}s")
         if self.lost:
             raise LockLost(self.key, self.lost_reason or "unknown")
 

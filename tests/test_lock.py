@@ -704,3 +704,16 @@ def test_release_that_timed_out_in_flight_can_be_retried(fresh_redis):
     # retry does not raise, and once it returns the lock is gone
     assert server.release(lock) in (True, False)
     assert fresh_redis.client(DB).exists(lock.key) == 0
+
+
+@pytest.mark.timeout(30)
+def test_ensure_raises_once_a_whole_ttl_passed_unconfirmed(redis_server):
+    """Without renewal, ensure() trusts the clock: past the TTL the lock may have expired."""
+    server = LockServer.from_url(redis_server.url(2))
+    lock = server.acquire(f"ensure-clock-{uuid.uuid4().hex}", 0.3)
+    assert isinstance(lock, Lock)
+    lock.ensure()  # fresh: fine
+    wait_until(lambda: time.monotonic() >= lock.confirmed_at + lock.ttl, 10, what="the ttl to pass")
+    with pytest.raises(LockLost, match="whole ttl"):
+        lock.ensure()
+    assert lock.lost
