@@ -19,16 +19,19 @@ one task instance serves every thread of a process.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 import random
 import time
 from functools import partial
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task
+from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Retry
 from celery.signals import task_postrun, worker_process_shutdown, worker_shutdown
-from celery.states import FAILURE, SUCCESS
+from celery.states import STARTED, SUCCESS
 
 from . import config, keys
 from .exceptions import DuplicateTask, LockBackendUnavailable, LockContended
@@ -62,6 +65,12 @@ class LockedTask(Task):
         task's own ``max_retries`` (50, 1 s, 30 s).
     ``lock_prefix``
         the first part of every key (``singleton_lock_prefix``, "singleton_lock").
+
+    Options are checked when the task class is made (app finalize, or first use of
+    the task), so a bad one fails there, naming the task and the option.
+    ``track_started`` is honoured, but STARTED is stored by LockedTask once the lock
+    is taken (never by a duplicate or a redelivery); ``task.track_started`` then
+    reads False and ``task.lock_track_started`` True.
     """
 
     abstract = True
@@ -74,17 +83,44 @@ class LockedTask(Task):
     lock_retry_backoff: ClassVar[float | None] = None
     lock_retry_backoff_max: ClassVar[float | None] = None
 
+    lock_track_started: ClassVar[bool] = False
+    """The task's ``track_started`` (option or ``task_track_started``): LockedTask stores
+    STARTED itself, once the lock is taken (see :meth:`on_bound`)."""
+
     _lock_signature: ClassVar[Any] = None
 
-    @classmethod
-    def on_bound(cls, app: Any) -> None:
-        """Check the lock options as soon as the task joins its app."""
-        super().on_bound(app)
-        if cls.name is None or cls.run is Task.run:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Check the lock options when the task class is made, i.e. when it binds to its app.
+
+        ``app.task`` makes the class (``type(...)``) when the app is finalized or the
+        task proxy is first used; failing here, before Celery registers the task,
+        means a bad option fails at every access, never only the first one.
+        """
+        super().__init_subclass__(**kwargs)
+        spec = cls.__dict__.get("lock_key")
+        if inspect.isfunction(spec):
+            # a function as a class attribute would be bound to the task: self.lock_key(...)
+            # would receive the task as its first argument
+            cls.lock_key = staticmethod(spec)
+        if cls.run is Task.run:
             return  # an abstract base, not a real task
         raw = next((k.__dict__["run"] for k in cls.__mro__ if "run" in k.__dict__), None)
         cls._lock_signature = config.signature_of(cls.run, bound=not isinstance(raw, staticmethod))
-        config.check_task_options(cls.name, cls, cls._lock_signature)
+        config.check_task_options(cls.name or cls.__qualname__, cls, cls._lock_signature)
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Take over ``track_started`` once Celery has filled it in from the app's conf.
+
+        Celery's tracer stores STARTED *before* ``before_start``, so a duplicate or a
+        redelivery of the running task id would overwrite the holder's state (STARTED
+        with another pid, or a FAILURE turned back into STARTED). LockedTask turns the
+        tracer's store off and stores STARTED itself, only after taking the lock.
+        """
+        super().on_bound(app)
+        if cls.track_started:
+            cls.lock_track_started = True
+            cls.track_started = False
 
     @property
     def lock(self) -> Lock | None:
@@ -95,6 +131,10 @@ class LockedTask(Task):
         """This task's resolved settings (read once per process)."""
         settings = self.__dict__.get("_singleton_lock_settings")
         if settings is None:
+            if self._lock_signature is None:  # a class made before ``run`` was set
+                self._lock_signature = config.signature_of(self.run, bound=False)  # a bound method
+            # the options may have been changed on the class since it was made
+            config.check_task_options(self.name, type(self), self._lock_signature)
             settings = self.__dict__["_singleton_lock_settings"] = config.resolve(self)
         return settings
 
@@ -125,6 +165,11 @@ class LockedTask(Task):
                 setattr(request, HANDLE, outcome)  # from here on, task_postrun releases it
                 get_watchdog().track(outcome, partial(_announce_lost, self, task_id))
                 lock_acquired.send(sender=self, key=key, task_id=task_id, lock=outcome)
+                if self.lock_track_started and not request.is_eager and not get_actual_ignore_result(self, request):
+                    # what the tracer would have stored, had we let it (see on_bound)
+                    self.backend.store_result(
+                        task_id, {"pid": os.getpid(), "hostname": request.hostname}, STARTED, request=request
+                    )
                 return
             if outcome is None:
                 self._drop_redelivery(key, task_id)
@@ -182,7 +227,7 @@ class LockedTask(Task):
         raise Ignore("redelivery of a running task; re-queued")
 
     def _drop_redelivery(self, key: str, task_id: str) -> NoReturn:
-        logger.info("task %s[%s] already finished under lock %s; this redelivery is dropped", self.name, task_id, key)
+        logger.info("task %s[%s] already succeeded under lock %s; this redelivery is dropped", self.name, task_id, key)
         duplicate_skipped.send(sender=self, key=key, task_id=task_id, holder_task_id=task_id, policy="redelivery")
         raise Ignore("redelivery of a finished task")
 
@@ -221,7 +266,7 @@ class LockedTask(Task):
         deleted = False
         for tries in range(3):
             try:
-                deleted = lock.server.release(lock, finished=state in (SUCCESS, FAILURE))
+                deleted = lock.server.release(lock, finished=state == SUCCESS)
                 break
             except LockBackendUnavailable as exc:
                 logger.warning("releasing lock %s failed (try %d of 3): %s", lock.key, tries + 1, exc)

@@ -155,3 +155,30 @@ def hard_limited(self, key: str) -> None:
     deadline = time.monotonic() + 25
     while time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def _wait_gate(key: str, limit: float = 60.0) -> None:
+    """Wait until the test sets gate:<key> in the journal (at most ``limit`` seconds)."""
+    deadline = time.monotonic() + limit
+    while not journal.exists(f"gate:{key}") and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="skip")
+def gated_skip(self, key: str, tag: str = "", gate: bool = False) -> dict:
+    """With ``gate``, hold the lock until the test opens gate:<key>; records its interval."""
+    start = time.time()
+    if gate:
+        _wait_gate(key)
+    record("gated_skip", key, start, time.time())
+    return {"pid": os.getpid(), "tag": tag}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="raise")
+def gated_raise(self, key: str, tag: str = "", gate: bool = False) -> dict:
+    """As gated_skip, with on_duplicate="raise"."""
+    start = time.time()
+    if gate:
+        _wait_gate(key)
+    record("gated_raise", key, start, time.time())
+    return {"pid": os.getpid(), "tag": tag}

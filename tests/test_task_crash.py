@@ -1,0 +1,154 @@
+"""Real prefork workers: time limits, a SIGKILLed child, a whole worker killed.
+
+* soft time limit: SoftTimeLimitExceeded ends the body; the lock is released (not expired).
+* hard time limit / kill -9 of the pool child: nothing runs in the child any more, so the
+  watchdog stops with it and the key expires within lock_ttl; the main process's
+  on_failure (empty request) crashes nothing; the worker goes on.
+* the whole worker killed while holding: a redelivery of the holder's task id waits for
+  the dead holder's lock to expire, then runs once.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import time
+import uuid
+
+import pytest
+from _task_support import (
+    TIMEOUT,
+    collect_results,  # noqa: F401 - autouse: gc while Redis runs
+    load_worker_app,
+    start_worker_process,
+)
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
+
+from celery_singleton_lock.testing import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+LOCK_TTL = 3.0  # seconds, the workers' singleton_lock_ttl here (CSL_LOCK_TTL)
+
+
+@pytest.fixture(scope="module")
+def crash_env(redis_server, tmp_path_factory):
+    wa = load_worker_app(redis_server)
+    for db in (1, 2, 3):
+        redis_server.client(db).flushdb()  # our private server; the broker db keeps its bindings
+    queue = f"csl-crash-{uuid.uuid4().hex[:8]}"
+    logdir = tmp_path_factory.mktemp("crash")
+    w = start_worker_process(
+        redis_server, logdir, pool="prefork", concurrency=2,
+        env={"CSL_LOCK_TTL": str(LOCK_TTL)}, extra=("-Q", queue), name="crash",
+    )
+    try:
+        w.wait_ready(60)
+        yield wa, w, queue, logdir
+    finally:
+        w.stop()
+        gc.collect()
+
+
+def journal(wa, key):
+    return [json.loads(raw) for raw in wa.journal.lrange(f"journaled:{key}", 0, -1)]
+
+
+def started(wa, key, count=1):
+    return wait_until(
+        lambda: [e for e in journal(wa, key) if e["event"] == "start"][count - 1:] and journal(wa, key),
+        TIMEOUT, 0.05, f"{count} start(s) of {key}",
+    )
+
+
+def test_soft_time_limit_releases(crash_env, redis_server):
+    wa, w, queue, _ = crash_env
+    k = f"soft-{uuid.uuid4().hex[:8]}"
+    key = wa.soft_limited.lock_key_for((k,), {})
+    locks = redis_server.client(2)
+    result = wa.soft_limited.apply_async((k,), queue=queue)
+    started(wa, k)
+    assert 0 < locks.pttl(key) <= 60_000
+    with pytest.raises(SoftTimeLimitExceeded):
+        result.get(timeout=TIMEOUT)
+    # lock_ttl is 60 s: only the release (task_postrun) can free the key this soon
+    wait_until(lambda: not locks.exists(key), 15, what="the soft-limited run's release")
+    # a fresh duplicate runs at once
+    again = wa.journaled.apply_async((k, 0.0, "after-soft"), queue=queue)
+    assert again.get(timeout=TIMEOUT)["tag"] == "after-soft"
+
+
+def test_sigkill_of_the_child_frees_the_key_within_ttl(crash_env, redis_server):
+    wa, w, queue, _ = crash_env
+    k = f"kill-{uuid.uuid4().hex[:8]}"
+    key = wa.journaled.lock_key_for((k,), {})
+    locks = redis_server.client(2)
+    result = wa.journaled.apply_async((k, 60.0, "victim"), queue=queue)
+    [start] = started(wa, k)
+    assert start["pid"] in w.children()
+    os.kill(start["pid"], signal.SIGKILL)  # only the pool child, by PID
+    assert 0 < locks.pttl(key) <= LOCK_TTL * 1000  # no one renews it now: gone within lock_ttl
+    wait_until(lambda: not locks.exists(key), LOCK_TTL + 20, what="the killed holder's key to expire")
+    with pytest.raises(WorkerLostError):
+        result.get(timeout=TIMEOUT)
+    # the worker replaced its child and runs the next one with the same key
+    again = wa.journaled.apply_async((k, 0.0, "after-kill"), queue=queue)
+    assert again.get(timeout=TIMEOUT)["tag"] == "after-kill"
+    wait_until(lambda: not locks.exists(key), 15, what="the release")
+
+
+def test_hard_time_limit_frees_the_key_and_main_process_on_failure_is_harmless(crash_env, redis_server):
+    wa, w, queue, _ = crash_env
+    k = f"hard-{uuid.uuid4().hex[:8]}"
+    key = wa.hard_limited.lock_key_for((k,), {})
+    locks = redis_server.client(2)
+    result = wa.hard_limited.apply_async((k,), queue=queue)
+    [start] = started(wa, k)
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=TIMEOUT)
+    assert result.state == "FAILURE"
+    wait_until(lambda: not locks.exists(key), LOCK_TTL + 20, what="the hard-limited holder's key to expire")
+    # on_failure ran in the worker's main process, with an empty request: no lock handle there
+    record = json.loads(wait_until(lambda: wa.journal.lindex("on_failure", -1), TIMEOUT, what="on_failure"))
+    assert record["task_id"] == result.id and record["exc"] == "TimeLimitExceeded"
+    assert record["pid"] == w.pid and record["pid"] != start["pid"]
+    assert record["lock"] == "None" and record["request_id"] is None
+    # nothing crashed: the worker goes on with the same key
+    again = wa.journaled.apply_async((k, 0.0, "after-hard"), queue=queue)
+    assert again.get(timeout=TIMEOUT)["tag"] == "after-hard"
+    assert "celery_singleton_lock" not in w.log()  # no traceback through our code anywhere
+
+
+def test_redelivery_after_the_whole_worker_died_runs_once_the_lock_expired(crash_env, redis_server):
+    """kill -9 of the holder's whole worker; a copy with the holder's task id arrives at another
+    worker at once: it is deferred while the dead holder's lock lives, then runs, once."""
+    wa, w, queue, logdir = crash_env
+    k = f"dead-{uuid.uuid4().hex[:8]}"
+    key = wa.journaled.lock_key_for((k,), {})
+    locks = redis_server.client(2)
+    dead_queue = f"csl-dead-{uuid.uuid4().hex[:8]}"
+    doomed = start_worker_process(
+        redis_server, logdir, pool="prefork", concurrency=1,
+        env={"CSL_LOCK_TTL": str(LOCK_TTL)}, extra=("-Q", dead_queue), name="doomed",
+    )
+    try:
+        doomed.wait_ready(60)
+        holder = wa.journaled.apply_async((k, 60.0, "holder"), queue=dead_queue)
+        [start] = started(wa, k)
+        assert start["id"] == holder.id
+        doomed.kill()  # SIGKILL, main process and its child, by PID
+    finally:
+        doomed.stop()
+    pttl = locks.pttl(key)
+    assert 0 < pttl <= LOCK_TTL * 1000
+    expires_at = time.time() + pttl / 1000
+    copy = wa.journaled.apply_async((k, 0.0, "copy"), task_id=holder.id, queue=queue)
+    assert copy.get(timeout=TIMEOUT + LOCK_TTL)["tag"] == "copy"
+    starts = [e for e in journal(wa, k) if e["event"] == "start"]
+    assert [e["tag"] for e in starts] == ["holder", "copy"]  # ran once more, not twice
+    assert starts[1]["at"] >= expires_at - 0.25  # only after the dead holder's lock expired
+    assert starts[1]["fence"] > starts[0]["fence"]
+    assert "is being redelivered while its first run still holds lock" in w.log()
+    wait_until(lambda: not locks.exists(key), 15, what="the copy's release")
