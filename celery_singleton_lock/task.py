@@ -7,11 +7,15 @@ One execution, as data::
       held:         the duplicate policy (skip / retry / raise) decides; the body never runs
       same task id: a redelivery of the running task: re-queued until the holder is gone
     body -> any end (success, exception, retry, Ignore, Reject, time limit, eager)
-      -> task_postrun -> watchdog.forget -> LockServer.release (one round trip, once)
+      -> watchdog.forget -> LockServer.release (one round trip, once)
 
-Why ``task_postrun`` for the release: Celery's tracer sends it for every state
-once it has entered the task, eager runs that propagate included, while
-``after_return`` is skipped for RETRY, IGNORED and REJECTED.
+The release happens in ``__call__`` as soon as the body returns or raises,
+before Celery stores the result: whoever sees the result and sends a
+duplicate finds the key free. ``task_postrun`` is the safety net for every
+other way out (an error after the acquire but before the body): Celery's
+tracer sends it for every state once it has entered the task, eager runs that
+propagate included, while ``after_return`` is skipped for RETRY, IGNORED and
+REJECTED.
 
 Per-execution state (the handle) lives on ``self.request``, never on ``self``:
 one task instance serves every thread of a process.
@@ -29,9 +33,9 @@ from typing import Any, ClassVar, NoReturn
 
 from celery import Task
 from celery.app.task import get_actual_ignore_result
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import task_postrun, worker_process_shutdown, worker_shutdown
-from celery.states import STARTED, SUCCESS
+from celery.states import FAILURE, IGNORED, REJECTED, RETRY, STARTED, SUCCESS
 
 from . import config, keys
 from .exceptions import DuplicateTask, LockBackendUnavailable, LockContended
@@ -43,6 +47,9 @@ logger = logging.getLogger("celery_singleton_lock")
 
 HANDLE = "_singleton_lock"
 """Attribute of ``self.request`` that holds the execution's Lock."""
+
+_BODY_STARTED = "_singleton_lock_body_started"
+"""Set on ``self.request`` once the tracer called the body, so a nested direct call is told apart."""
 
 ATTEMPT_HEADER = "singleton_lock_attempt"
 """Message header counting lock-contention re-queues (kept apart from ``retries``)."""
@@ -256,8 +263,41 @@ class LockedTask(Task):
 
     # -- release -------------------------------------------------------------------
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body, and release the lock the moment it returns or raises.
+
+        That is before Celery stores the result, so a caller who has seen the
+        result and sends a duplicate finds the key free. ``task_postrun``
+        releases on every other way out (it is a no-op once this has run).
+
+        Celery's tracer calls this (instead of ``run``) because it is
+        overridden. Our execution's request is already on the stack then, so
+        the body runs under it; a direct call ``task(x)``, or a nested one from
+        inside the body, goes through Celery's own ``__call__`` and takes no lock.
+        """
+        request = self.request_stack.top
+        if request is None or HANDLE not in request.__dict__ or request.__dict__.get(_BODY_STARTED):
+            return super().__call__(*args, **kwargs)
+        request.__dict__[_BODY_STARTED] = True
+        state = FAILURE
+        try:
+            result = self.run(*args, **kwargs)
+            state = SUCCESS
+            return result
+        except Retry:
+            state = RETRY
+            raise
+        except Ignore:
+            state = IGNORED
+            raise
+        except Reject:
+            state = REJECTED
+            raise
+        finally:
+            self.release_lock(state)
+
     def release_lock(self, state: str | None = None) -> None:
-        """Let the running execution's lock go, once. Called from ``task_postrun``."""
+        """Let the running execution's lock go, once: when the body ends, else from ``task_postrun``."""
         request = self.request
         lock: Lock | None = request.__dict__.pop(HANDLE, None)
         if lock is None:

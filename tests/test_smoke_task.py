@@ -1,11 +1,15 @@
+"""The basic promise, end to end on an in-process worker."""
+
+import pytest
 
 from celery_singleton_lock import LockedTask
 
 
+@pytest.mark.timeout(60)
 def test_locked_task_runs_and_releases(app, run_worker, redis_server):
     ran = []
 
-    @app.task(base=LockedTask, bind=True, lock_ttl=5)
+    @app.task(base=LockedTask, bind=True, lock_ttl=5, shared=False)
     def add(self, x, y=2):
         ran.append(self.lock.fencing_token)
         return x + y
@@ -13,6 +17,24 @@ def test_locked_task_runs_and_releases(app, run_worker, redis_server):
     with run_worker(app):
         assert add.delay(1).get(timeout=10) == 3
     assert ran and ran[0] > 0
-    key = add.lock_key_for((1,), {})
-    assert redis_server.client(2).exists(key) == 0
+    assert redis_server.client(2).exists(add.lock_key_for((1,), {})) == 0
     assert add.lock_key_for((1,), {}) == add.lock_key_for((), {"x": 1, "y": 2})
+
+
+@pytest.mark.timeout(60)
+def test_the_key_is_free_as_soon_as_the_result_is_visible(app, run_worker, redis_server):
+    """The lock is released when the body ends, before Celery stores the result:
+    whoever has seen the result and sends a duplicate finds the key free (no polling here)."""
+    locks = redis_server.client(2)
+    seen_held = []
+
+    @app.task(base=LockedTask, bind=True, lock_ttl=5, shared=False)
+    def work(self, n):
+        seen_held.append(locks.exists(self.lock.key))
+        return n
+
+    with run_worker(app):
+        for n in range(20):
+            assert work.delay(n).get(timeout=10) == n
+            assert locks.exists(work.lock_key_for((n,), {})) == 0
+    assert seen_held == [1] * 20  # the body really ran under the lock, every time

@@ -118,7 +118,26 @@ def test_hard_time_limit_frees_the_key_and_main_process_on_failure_is_harmless(c
     # nothing crashed: the worker goes on with the same key
     again = wa.journaled.apply_async((k, 0.0, "after-hard"), queue=queue)
     assert again.get(timeout=TIMEOUT)["tag"] == "after-hard"
-    assert "celery_singleton_lock" not in w.log()  # no traceback through our code anywhere
+    assert not errors_raised_in_our_code(w.log())
+
+
+def errors_raised_in_our_code(log: str) -> list[str]:
+    """Tracebacks in a worker log whose innermost frame is in our package.
+
+    Task errors pass through LockedTask.__call__ (it releases the lock on the
+    way out), so our frames may appear in them; none may be where it was raised.
+    """
+    found = []
+    last_frame = None
+    for line in log.splitlines():
+        stripped = line.strip()
+        if stripped.startswith('File "'):
+            last_frame = stripped
+        elif last_frame and stripped and not line.startswith(" ") and not stripped.startswith("Traceback"):
+            if "celery_singleton_lock/" in last_frame:
+                found.append(f"{last_frame} -> {stripped}")
+            last_frame = None
+    return found
 
 
 def test_redelivery_after_the_whole_worker_died_runs_once_the_lock_expired(crash_env, redis_server):

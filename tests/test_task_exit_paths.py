@@ -20,7 +20,7 @@ from _task_support import (
     locked,
 )
 from celery.exceptions import Ignore, Reject
-from celery.signals import task_retry
+from celery.signals import after_task_publish
 from conftest import make_app
 
 from celery_singleton_lock import LockKeyError
@@ -238,11 +238,12 @@ def test_release_is_token_checked(env, rec):
 
 @pytest.mark.parametrize("which", ["self.retry", "autoretry_for"])
 def test_retry_message_arriving_before_release_runs_after(env, rec, request, which):
-    """self.retry() (and autoretry_for) publish the same task id before the old run's task_postrun.
+    """self.retry() (and autoretry_for) publish the same task id while the old run still holds the lock.
 
-    A task_retry receiver holds the old run (still locked) until the new message has
-    arrived and been deferred as a redelivery; the retried run then happens after the
-    release, never beside it.
+    An after_task_publish receiver holds the old run right after it published the
+    retry message (the lock is released only when Retry leaves the body) until the
+    new message has arrived and been deferred as a redelivery; the retried run then
+    happens after the release, never beside it.
     """
     if env.pool != "threads":
         pytest.skip("needs two executions at once in one worker (threads pool)")
@@ -253,14 +254,15 @@ def test_retry_message_arriving_before_release_runs_after(env, rec, request, whi
     task_id = str(uuid.uuid4())
     held = []
 
-    def hold_old_run(sender=None, request=None, **_):
-        if getattr(sender, "name", None) == task.name and request.id == task_id:
-            rec.wait("duplicate", request.id)  # the retried message arrived meanwhile ...
+    def hold_old_run(sender=None, headers=None, **_):
+        # only the retry message (retries >= 1), published from the old run's thread
+        if not held and sender == task.name and headers.get("id") == task_id and headers.get("retries", 0) >= 1:
+            rec.wait("duplicate", task_id)  # the retried message arrived meanwhile ...
             held.append(len(env.runs.of(k, task_id)))  # ... and did not run
             held.append(time.time())
 
-    task_retry.connect(hold_old_run, weak=False)
-    request.addfinalizer(lambda: task_retry.disconnect(hold_old_run))
+    after_task_publish.connect(hold_old_run, weak=False)
+    request.addfinalizer(lambda: after_task_publish.disconnect(hold_old_run))
     result = task.apply_async(args, task_id=task_id)
     assert result.get(timeout=TIMEOUT) == expected
     runs_during_hold, hold_ended = held
@@ -268,7 +270,7 @@ def test_retry_message_arriving_before_release_runs_after(env, rec, request, whi
     dup = rec.of("duplicate", task_id)[0]
     assert dup.data["policy"] == "redelivery" and dup.data["holder"] == task_id
     first, second = env.runs.of(k, task_id)
-    assert second.start >= hold_ended >= first.end  # after the old run (and its release), not beside it
+    assert second.start >= max(hold_ended, first.end)  # after the old run (and its release), not beside it
     assert_released_once_per_run(env, rec, task_id)
     assert_free_then_fresh_runs(env, rec, task, k)
 
@@ -344,8 +346,8 @@ def test_task_always_eager_propagating_exception_releases(redis_server):
             eager.delay(k, "exc")
         assert len(runs.of(k)) == 1
         [released] = rec.of("released")
-        # the tracer re-raises before it sets a state: task_postrun (and our signal) get None
-        assert released.data["state"] is None and released.data["deleted"]
+        # released as the body raised (the tracer itself re-raises before it sets a state)
+        assert released.data["state"] == "FAILURE" and released.data["deleted"]
         assert locks.exists(eager.lock_key_for((k,), {})) == 0
         assert eager.delay(k, "ok").get() == "ok"
         assert len(rec.of("released")) == 2
