@@ -40,6 +40,12 @@ APP_SETTINGS: dict[str, Any] = {
     "singleton_lock_redis_options": {},
     "singleton_lock_state_ttl": 24 * 3600.0,
 }
+# app setting -> the process watchdog's option (used when a process creates its watchdog)
+WATCHDOG_SETTINGS: dict[str, str] = {
+    "singleton_lock_watchdog_tick": "tick",
+    "singleton_lock_watchdog_chunk": "chunk",
+    "singleton_lock_watchdog_socket_timeout": "socket_timeout",
+}
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,8 @@ class LockSettings:
     retry_backoff_max: float
     redis_options: dict[str, Any]
     state_ttl: float
+    watchdog_options: dict[str, Any]
+    """Only what the app sets; the watchdog's own defaults fill the rest."""
 
 
 def _check_option(where: str, option: str, value: Any) -> Any:
@@ -134,6 +142,9 @@ def resolve(task: Any) -> LockSettings:
         retry_backoff_max=values["lock_retry_backoff_max"],
         redis_options=dict(redis_options),
         state_ttl=check_ttl(state_ttl, "singleton_lock_state_ttl"),
+        watchdog_options={
+            option: conf.get(setting) for setting, option in WATCHDOG_SETTINGS.items() if conf.get(setting) is not None
+        },
     )
 
 
@@ -162,8 +173,16 @@ _servers: dict[tuple[str, str], LockServer] = {}
 _servers_lock = threading.Lock()
 
 
+_by_settings: dict[int, tuple[LockSettings, LockServer]] = {}
+"""id(settings) -> (settings, its server): a task resolves its settings once, so every
+execution after the first finds its server here without rebuilding the cache key."""
+
+
 def server_for(settings: LockSettings) -> LockServer:
     """The process's shared LockServer for these settings (logs the URL on first use)."""
+    hit = _by_settings.get(id(settings))
+    if hit is not None and hit[0] is settings:
+        return hit[1]
     cache_key = (settings.url, repr(sorted(settings.redis_options.items())) + repr(settings.state_ttl))
     server = _servers.get(cache_key)
     if server is None:
@@ -173,6 +192,9 @@ def server_for(settings: LockSettings) -> LockServer:
                 server = LockServer.from_url(settings.url, state_ttl=settings.state_ttl, **settings.redis_options)
                 logger.info("celery-singleton-lock: locks live at %s", redact_url(settings.url))
                 _servers[cache_key] = server
+    if len(_by_settings) >= 1024:  # settings made per call (not a task's): keep the cache small
+        _by_settings.clear()
+    _by_settings[id(settings)] = (settings, server)  # holds settings, so its id is not reused while cached
     return server
 
 

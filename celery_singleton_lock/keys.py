@@ -31,15 +31,55 @@ from .exceptions import LockKeyError
 KeySpec = Sequence[str] | Callable[..., str] | None
 
 
+# One encoder each, made once: json.dumps() with any non-default option builds a new
+# JSONEncoder on every call. Same options, so the same output, byte for byte.
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True)
+_SORTED = json.JSONEncoder(sort_keys=True)
+
+
 def make_key(prefix: str, task_name: str, identity: Any) -> str:
     """The Redis key for ``identity`` (any canonical form) of ``task_name``."""
-    blob = json.dumps(identity, separators=(",", ":"), ensure_ascii=True)
+    blob = _COMPACT.encode(identity)
     digest = hashlib.sha256(f"{task_name}\n{blob}".encode()).hexdigest()[:32]
     return f"{prefix}:{task_name}:{{{digest}}}"
 
 
+_SIMPLE = inspect.Parameter.POSITIONAL_OR_KEYWORD
+_NO_DEFAULT = inspect.Parameter.empty
+_plans: dict[int, tuple[inspect.Signature, tuple[tuple[str, Any], ...] | None]] = {}
+
+
+def _plan(sig: inspect.Signature) -> tuple[tuple[str, Any], ...] | None:
+    """(name, default) per parameter when every parameter is plain positional-or-keyword, else None.
+
+    Worked out once per signature (a task's is made once, at bind time).
+    """
+    hit = _plans.get(id(sig))
+    if hit is not None and hit[0] is sig:
+        return hit[1]
+    params = sig.parameters.values()
+    plan = tuple((p.name, p.default) for p in params) if all(p.kind is _SIMPLE for p in params) else None
+    if len(_plans) >= 1024:  # signatures made per call (not a task's): keep the cache small
+        _plans.clear()
+    _plans[id(sig)] = (sig, plan)  # holds sig, so its id is not reused while cached
+    return plan
+
+
 def bind_arguments(sig: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """Arguments by parameter name, defaults applied; ``**kw`` is flattened in."""
+    if not kwargs:
+        # The common call, positional arguments only, to a plain signature: what
+        # sig.bind + apply_defaults give, without their cost. Anything else (and
+        # every error) goes the general way below.
+        plan = _plan(sig)
+        if plan is not None and len(args) <= len(plan):
+            named = dict(zip([name for name, _ in plan], args, strict=False))
+            for name, default in plan[len(args):]:
+                if default is _NO_DEFAULT:
+                    break
+                named[name] = default
+            else:
+                return named
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
@@ -102,7 +142,7 @@ def canonical(value: Any, path: str = "value") -> Any:
         return ["dict", items]
     if isinstance(value, (set, frozenset)):
         members = [canonical(v, f"{path}{{...}}") for v in value]
-        return ["set", sorted(members, key=lambda m: json.dumps(m, sort_keys=True))]
+        return ["set", sorted(members, key=_SORTED.encode)]
     if isinstance(value, uuid.UUID):
         return ["uuid", str(value)]
     if isinstance(value, Decimal):

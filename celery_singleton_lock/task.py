@@ -170,7 +170,7 @@ class LockedTask(Task):
                 continue
             if isinstance(outcome, Lock):
                 setattr(request, HANDLE, outcome)  # from here on, task_postrun releases it
-                get_watchdog().track(outcome, partial(_announce_lost, self, task_id))
+                get_watchdog(**settings.watchdog_options).track(outcome, partial(_announce_lost, self, task_id))
                 lock_acquired.send(sender=self, key=key, task_id=task_id, lock=outcome)
                 if self.lock_track_started and not request.is_eager and not get_actual_ignore_result(self, request):
                     # what the tracer would have stored, had we let it (see on_bound)

@@ -149,6 +149,27 @@ def test_option_beats_setting_beats_default():
         3.0, "raise", "mine", 4, 0.5, 2.0)
 
 
+def test_watchdog_settings_reach_the_watchdog_options():
+    app = bare_app(singleton_lock_url="redis://127.0.0.1:1/2")
+
+    @app.task(base=LockedTask, shared=False, name="cfg.watchdog")
+    def task(a):
+        return a
+
+    app.finalize()
+    assert cfg.resolve(task).watchdog_options == {}  # the watchdog's own defaults
+    app.conf.update(singleton_lock_watchdog_tick=0.05, singleton_lock_watchdog_chunk=100,
+                    singleton_lock_watchdog_socket_timeout=0.1)
+    options = cfg.resolve(task).watchdog_options
+    assert options == {"tick": 0.05, "chunk": 100, "socket_timeout": 0.1}
+    from celery_singleton_lock.watchdog import Watchdog
+
+    wd = Watchdog(**options)  # the same options a process's watchdog is made with
+    assert (wd.tick, wd.chunk, wd.socket_timeout) == (0.05, 100, 0.1)
+    with pytest.raises(ValueError, match="tick"):
+        Watchdog(tick=0)
+
+
 @pytest.mark.parametrize("setting, value", [
     ("singleton_lock_on_duplicate", "never"),
     ("singleton_lock_ttl", 0),
