@@ -15,7 +15,7 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .keys import KeySpec
@@ -61,7 +61,7 @@ class LockSettings:
     retry_backoff_max: float
     redis_options: dict[str, Any]
     state_ttl: float
-    watchdog_options: dict[str, Any]
+    watchdog_options: dict[str, Any] = field(default_factory=dict)
     """Only what the app sets; the watchdog's own defaults fill the rest."""
 
 
