@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""The benchmarks: what the lock costs per task, and what the watchdog costs at scale, beside the peers.
+
+    python3 benchmarks/run.py            # full run (< 10 min): the table, benchmarks/RESULTS.md and cost.png
+    python3 benchmarks/run.py --smoke    # a few seconds, small N, no peers needed (CI runs this)
+    python3 benchmarks/run.py --profile  # also profile the worker's LockedTask path with py-spy
+    python3 benchmarks/run.py --param scale_ours=100,1000 ...   # other sizes; results in benchmarks/out/custom
+    python3 benchmarks/run.py --rerender benchmarks/results.json  # rewrite RESULTS.md (e.g. after editing NOTES.md)
+
+Only a full run with no --param replaces benchmarks/RESULTS.md, benchmarks/cost.png and
+benchmarks/results.json (its raw figures); raw results and worker logs also go to benchmarks/out/.
+
+The full run does all of its own set-up: it makes a virtualenv in
+benchmarks/.venv, installs this checkout (pip install -e ..) and the peers from
+benchmarks/requirements.txt into it (re-done when either file changes), and
+runs itself again with that interpreter. The peers are never dependencies of
+the package. The smoke run uses the interpreter it is started with, and
+measures the peers only if they happen to be importable.
+
+Everything runs on this machine's loopback: two private redis-servers on free
+ports (the broker's, and the lock server that every variant's locks live on,
+so its INFO commandstats counts lock traffic only), and real ``celery worker``
+subprocesses, all stopped by PID. The machine's own Redis is never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+VENV = BENCH_DIR / ".venv"
+VENV_PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+REQUIREMENTS = BENCH_DIR / "requirements.txt"
+
+
+def say(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
+
+
+# -- set-up: the benchmark's own virtualenv (stdlib only up to here) ---------------------
+
+
+def ensure_venv(out_dir: Path) -> Path:
+    stamp = VENV / ".installed"
+    want = hashlib.sha256(
+        REQUIREMENTS.read_bytes() + (ROOT / "pyproject.toml").read_bytes() + sys.version.encode()
+    ).hexdigest()
+    if stamp.exists() and stamp.read_text() == want and VENV_PY.exists():
+        return VENV_PY
+    if not VENV_PY.exists():
+        say(f"creating virtualenv {VENV}")
+        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+    say("installing the package and the peers into it (benchmarks/requirements.txt)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / "pip.log"
+    with open(log, "w") as f:
+        code = subprocess.call(
+            [str(VENV_PY), "-m", "pip", "install", "--disable-pip-version-check",
+             "-e", str(ROOT), "-r", str(REQUIREMENTS)],
+            cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+        )
+    if code:
+        sys.exit(f"pip install failed ({code}); see {log}:\n" + log.read_text()[-3000:])
+    stamp.write_text(want)
+    return VENV_PY
+
+
+def in_venv(path: Path) -> bool:
+    try:
+        return Path(sys.prefix).resolve() == path.resolve()
+    except OSError:
+        return False
+
+
+# -- the run ---------------------------------------------------------------------------
+
+
+FULL = dict(
+    rounds=5, blocks=160, per_block=2, skip_blocks=5,
+    tp_rounds=5, tp_n=400, pools=(("solo", 1), ("prefork", 2)),
+    cmd_n=100, renew_short=0.2, renew_long=1.3, renew_count=2,
+    scale_ours=(100, 1000, 10000), scale_rlock=(100, 1000, 5000), scale_seconds=30.0, scale_ttl=3.0,
+    lost_ttls=(1.0, 3.0), lost_trials=20, micro_n=2000, profile_n=3000, breakdown_n=2000,
+)
+SMOKE = dict(
+    rounds=1, blocks=8, per_block=1, skip_blocks=1,
+    tp_rounds=1, tp_n=20, pools=(("solo", 1), ("prefork", 2)),
+    cmd_n=5, renew_short=0.1, renew_long=0.8, renew_count=1,
+    scale_ours=(100,), scale_rlock=(50,), scale_seconds=1.0, scale_ttl=3.0,
+    lost_ttls=(1.0,), lost_trials=4, micro_n=100, profile_n=300, breakdown_n=50,
+)
+
+
+def _exit_on_signal(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds the with-blocks: workers and redis-servers are stopped
+
+
+def run(args: argparse.Namespace) -> int:
+    import random
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
+
+    import harness
+    import report
+
+    from celery_singleton_lock.testing import RedisServer
+
+    p = dict(SMOKE if args.smoke else FULL)
+    for item in args.param:
+        key, _, value = item.partition("=")
+        if key not in p:
+            sys.exit(f"--param {key}: unknown; known: {', '.join(p)}")
+        p[key] = _parse_param(value, p[key])
+    out_dir = Path(args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    meta = report.machine_meta(args)
+    rng = random.Random(args.seed)
+    results: dict = {"meta": meta, "params": {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()}}
+
+    with RedisServer() as broker, RedisServer() as locks:
+        meta["redis_server"] = ".".join(map(str, locks.version()))
+        env = {
+            "BENCH_BROKER_URL": broker.url(0),
+            "BENCH_LOCK_URL": locks.url(0),
+        }
+        os.environ.update(env)
+        sys.path.insert(0, str(BENCH_DIR))
+        import bench_app  # the client side: same app, same variants as the workers
+
+        variants = dict(bench_app.VARIANTS)
+        results["variants"] = list(variants)
+        say(f"variants: {', '.join(variants)}; broker :{broker.port}, lock server :{locks.port}")
+        missing = [v for v in report.ALL_VARIANTS if v not in variants]
+        if missing and not args.smoke:
+            say(f"WARNING: peers not importable, left out: {', '.join(missing)}")
+
+        workers: list[harness.BenchWorker] = []
+        try:
+            solo = harness.BenchWorker("solo", 1, env, out_dir)
+            workers.append(solo.start())
+            say(f"solo worker ready (pid {solo.pid}); warming up")
+            solo.run_batch(harness.blocks_schedule(variants, 10, 1, rng))
+
+            say(f"1. interleaved run: {p['rounds']} rounds x {p['blocks']} blocks x "
+                f"{p['per_block']} per variant, one solo worker")
+            rounds = []
+            for r in range(p["rounds"]):
+                rr = harness.interleaved_round(solo, variants, p["blocks"], p["per_block"], p["skip_blocks"], rng)
+                rounds.append(rr)
+                say(f"  round {r + 1}: " + ", ".join(f"{v} {rr['worker_us'][v]:.0f}" for v in variants)
+                    + f" µs/task ({rr['tasks']} tasks in {rr['seconds']:.1f}s)")
+            results["interleaved"] = report.summarize_interleaved(rounds, list(variants))
+
+            say(f"3. lock-server commands per task ({p['cmd_n']} tasks per variant, MONITOR + commandstats)")
+            results["commands"] = harness.commands(solo, locks, variants, p["cmd_n"])
+            results["renewals"] = harness.renewal_check(
+                solo, locks, p["renew_short"], p["renew_long"], p["renew_count"])
+
+            say(f"2. throughput: {p['tp_rounds']} alternated rounds x {p['tp_n']} tasks per variant")
+            tp = {}
+            tp["solo"] = harness.throughput(solo, variants, p["tp_rounds"], p["tp_n"], say)
+            solo.stop()
+            for pool, conc in p["pools"]:
+                if pool == "solo":
+                    continue
+                w = harness.BenchWorker(pool, conc, env, out_dir)
+                workers.append(w.start())
+                w.run_batch(harness.blocks_schedule(variants, 10, conc, rng))  # warm every child
+                tp[f"{pool} -c {conc}"] = harness.throughput(w, variants, p["tp_rounds"], p["tp_n"], say)
+                w.stop()
+            results["throughput"] = tp
+
+            say("where our worker time goes: an instrumented solo worker")
+            results["breakdown"] = harness.breakdown(env, out_dir, variants, p["breakdown_n"])
+
+            if args.profile:
+                say("profile: py-spy on a solo worker draining LockedTask tasks")
+                prof = harness.BenchWorker("solo", 1, env, out_dir)
+                workers.append(prof.start())
+                results["profile"] = report.profile_worker(prof, variants, p["profile_n"], out_dir)
+                prof.stop()
+        finally:
+            for w in workers:
+                w.stop()
+
+        say("4. watchdog at scale: N locks held in one process, ttl "
+            f"{p['scale_ttl']:g}s, {p['scale_seconds']:g}s each (fresh process per run)")
+        scale = []
+        for n in p["scale_ours"]:
+            scale.append(scale_run("ours", locks.url(0), n=n, seconds=p["scale_seconds"], ttl=p["scale_ttl"]))
+            say(f"  ours N={n}: {report.scale_line(scale[-1])}")
+        if report.importable("redis_lock"):
+            for n in p["scale_rlock"]:
+                scale.append(scale_run("rlock", locks.url(0), n=n, seconds=p["scale_seconds"], ttl=p["scale_ttl"]))
+                say(f"  python-redis-lock N={n}: {report.scale_line(scale[-1])}")
+        results["scale"] = scale
+
+        say("5. lost-lock detection latency (outside DEL -> .lost)")
+        results["lost"] = [
+            scale_run("lost", locks.url(0), ttl=ttl, trials=p["lost_trials"]) for ttl in p["lost_ttls"]
+        ]
+        results["micro"] = scale_run("micro", locks.url(0), n=p["micro_n"])
+
+    results["meta"]["duration_s"] = time.time() - started
+    results["meta"]["loadavg_end"] = os.getloadavg()
+    text = report.render(results, smoke=args.smoke)
+    print(text["console"], flush=True)
+    # only an unmodified full run replaces benchmarks/RESULTS.md and benchmarks/cost.png
+    official = not args.smoke and not args.param
+    report.write_outputs(results, text, out_dir, official=official, bench_dir=BENCH_DIR)
+    say(f"done in {results['meta']['duration_s']:.0f}s")
+    return 0
+
+
+def rerender(path: Path) -> int:
+    import json
+
+    sys.path.insert(0, str(BENCH_DIR))
+    import report
+
+    results = json.loads(path.read_text())
+    meta = results["meta"]
+    official = "--smoke" not in meta["command"] and "--param" not in meta["command"]
+    text = report.render(results, smoke=not official)
+    print(text["console"], flush=True)
+    report.write_outputs(results, text, path.parent, official=official, bench_dir=BENCH_DIR)
+    return 0
+
+
+def _parse_param(value: str, like):
+    if isinstance(like, tuple):
+        if like and isinstance(like[0], tuple):  # pools: solo:1,prefork:2
+            return tuple((name, int(c)) for name, c in (x.split(":") for x in value.split(",") if x))
+        kind = type(like[0]) if like else float
+        return tuple(kind(x) for x in value.split(",") if x)
+    return type(like)(value)
+
+
+def scale_run(mode: str, lock_url: str, **opts) -> dict:
+    import json
+
+    cmd = [sys.executable, str(BENCH_DIR / "scale.py"), mode, "--lock-url", lock_url]
+    for k, v in opts.items():
+        cmd += [f"--{k}", str(v)]
+    timeout = 120 + float(opts.get("seconds", 0)) * 2
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCH_DIR)])))
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"scale.py {mode} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="small N, a few seconds, no peers needed; "
+                        "writes only to --out (never RESULTS.md)")
+    parser.add_argument("--profile", action="store_true", help="also profile our worker path with py-spy")
+    parser.add_argument("--out", default=None, help="directory for raw results and logs "
+                        "(default benchmarks/out, or benchmarks/out/smoke)")
+    parser.add_argument("--seed", type=int, default=20240601)
+    parser.add_argument("--no-venv", action="store_true", help="run in the current interpreter")
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one size, e.g. --param rounds=3 --param scale_ours=100,1000 "
+                        "(for trying things out; RESULTS.md records the overrides in the command)")
+    parser.add_argument("--rerender", metavar="RESULTS_JSON",
+                        help="only write RESULTS.md and the chart again from a run's results.json "
+                        "(e.g. after editing benchmarks/NOTES.md); measures nothing")
+    args = parser.parse_args()
+    if args.out is None:  # an official run (full, no --param) keeps its own directory
+        kind = "smoke" if args.smoke else ("custom" if args.param or args.rerender else "full")
+        args.out = str(BENCH_DIR / "out" / kind)
+    if not args.smoke and not args.no_venv and not in_venv(VENV):
+        py = ensure_venv(Path(args.out))
+        say(f"running in {VENV}")
+        os.execv(str(py), [str(py), str(Path(__file__).resolve()), *sys.argv[1:]])
+    if args.rerender:
+        return rerender(Path(args.rerender))
+    if args.smoke and importlib.util.find_spec("celery_singleton_lock") is None:
+        # the smoke run wants the package and Celery, nothing more: the project's own venv has them
+        project_py = ROOT / ".venv" / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+        if not project_py.exists() or in_venv(ROOT / ".venv"):
+            sys.exit("the smoke run needs celery-singleton-lock installed: run `python3 dev.py test` once "
+                     "(it makes .venv), or use .venv/bin/python")
+        os.execv(str(project_py), [str(project_py), str(Path(__file__).resolve()), *sys.argv[1:]])
+    args.command = "python3 dev.py bench" if os.environ.get("CSL_DEV_PY") else "python3 benchmarks/run.py"
+    args.argv = sys.argv[1:]
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

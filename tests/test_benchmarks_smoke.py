@@ -1,0 +1,54 @@
+"""The benchmarks' smoke run, so they do not rot: every phase, small N, a few seconds, no peers.
+
+CI never runs the full benchmarks (`python3 dev.py bench`); this runs
+`benchmarks/run.py --smoke` in this interpreter and checks that it measured
+something sensible and wrote its report, into a temporary directory only
+(never benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_benchmarks_smoke_run(tmp_path: Path) -> None:
+    before = {p: p.stat().st_mtime for p in (ROOT / "benchmarks").glob("RESULTS.md")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "| variant | worker per task |" in proc.stdout  # the printed table
+    assert (tmp_path / "RESULTS.md").exists()
+    results = json.loads((tmp_path / "results.json").read_text())
+
+    # at least plain, ours and the cookbook (which needs no peer) were measured side by side
+    assert {"plain", "ours", "cookbook"} <= set(results["variants"])
+    per_variant = results["interleaved"]["per_variant"]
+    assert all(per_variant[v]["worker_us"]["median"] > 0 for v in results["variants"])
+    for pool in results["throughput"].values():
+        assert all(pool["rate"][v]["median"] > 0 for v in results["variants"])
+
+    # the exact counts do not depend on the machine: 2 EVALSHA per locked task, nothing at publish
+    ours = results["commands"]["ours"]
+    assert ours["exec_sent"] == {"EVALSHA": 2.0} and ours["publish_rt"] == 0
+    assert results["commands"]["plain"]["exec_rt"] == 0
+    assert results["renewals"]["short"]["renewals"] == 0
+
+    scale = [s for s in results["scale"] if s["impl"] == "ours"]
+    assert scale and all(s["held"] == s["n"] and s["renewal_threads"] == 1 for s in scale)
+    assert all(lo["detected"] == lo["trials"] for lo in results["lost"])
+    assert "LockedTask.before_start" in results["breakdown"]["pieces"]
+    assert {g["goal"].split(" (")[0] for g in results["goals"]} >= {"Round trips", "Throughput"}
+
+    # the smoke run never overwrites the committed results
+    assert before == {p: p.stat().st_mtime for p in (ROOT / "benchmarks").glob("RESULTS.md")}
