@@ -65,14 +65,15 @@ if held then
     return {1, tonumber(fence)}
   end
 end
-if ARGV[5] ~= '' and redis.call('HGET', KEYS[2], 'done') == ARGV[5] then
+local state = redis.call('HMGET', KEYS[2], 'fence', 'done')  -- missing fields are false
+if ARGV[5] ~= '' and state[2] == ARGV[5] then
   return {2, 0}
 end
 -- fencing token: above the last one, and never below the server clock in
 -- microseconds, so it keeps rising even after the state hash expired.
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local last = tonumber(redis.call('HGET', KEYS[2], 'fence') or '0')
+local last = tonumber(state[1] or '0')
 local fence = math.max(last + 1, now_us)
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 redis.call('HSET', KEYS[2], 'fence', string.format('%.0f', fence))
@@ -322,7 +323,7 @@ class LockServer:
             "pid": os.getpid(),
             "acquired_at": round(time.time(), 3),
         }
-        value = f"{token} {json.dumps(meta, separators=(',', ':'))}"
+        value = f"{token} {_COMPACT_JSON.encode(meta)}"
         sent = time.monotonic()
         reply = self._run(
             ACQUIRE,
@@ -419,3 +420,4 @@ def _ms(seconds: float) -> int:
 
 
 _HOSTNAME = socket.gethostname()
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # made once: json.dumps(separators=...) makes one per call

@@ -130,9 +130,11 @@ class Watchdog:
             if lock.lost:
                 return
             self._start_thread()
+            idle = not self._on_lost  # the thread waits for work only while it tracks nothing
             self._on_lost[lock] = on_lost
             self._wheel.schedule(lock, lock.confirmed_at + lock.ttl / 3)
-            self._cond.notify_all()
+            if idle:  # otherwise it wakes on every tick anyway: no need to pay for a wake-up
+                self._cond.notify_all()
         if lock.ttl / 3 <= max(self.tick, self.socket_timeout) and lock.ttl not in self._short_ttls_warned:
             self._short_ttls_warned.add(lock.ttl)
             logger.warning(

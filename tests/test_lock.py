@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(60)
 DB = 2  # the locks' database in the fixtures' layout
 HANDSHAKE = {"info", "client", "client|setinfo", "client|setname", "hello", "select", "ping", "echo", "monitor"}
 # INFO commandstats also counts what scripts call inside; MONITOR (testing.Monitor) is what tells them apart
-SCRIPT_INTERNAL = {"get", "set", "del", "pexpire", "pttl", "hget", "hset", "time"}
+SCRIPT_INTERNAL = {"get", "set", "del", "pexpire", "pttl", "hget", "hmget", "hset", "time"}
 
 
 def new_name() -> str:
