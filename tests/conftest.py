@@ -122,14 +122,15 @@ def worker_app(redis_server: RedisServer):
     import importlib
     import sys
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        if "apps.worker_app" in sys.modules:
-            module = importlib.reload(sys.modules["apps.worker_app"])
-        else:
-            module = importlib.import_module("apps.worker_app")
-    finally:
-        sys.path.remove(str(ROOT / "tests"))
+    loaded = sys.modules.get("apps.worker_app")
+    if loaded is not None and loaded.BASE == os.environ["CSL_REDIS_URL_BASE"]:
+        module = loaded  # a reload would register its shared tasks once more in every later app
+    else:
+        sys.path.insert(0, str(ROOT / "tests"))
+        try:
+            module = importlib.reload(loaded) if loaded else importlib.import_module("apps.worker_app")
+        finally:
+            sys.path.remove(str(ROOT / "tests"))
     for db in (0, 1, 2, 3):
         redis_server.client(db).flushdb()  # our own private server only
     return module
