@@ -130,7 +130,7 @@ def canonical(value: Any, path: str = "value") -> Any:
     if isinstance(value, int):
         return ["int", str(value)]  # no float precision loss in any JSON reader
     if isinstance(value, float):
-        return ["float", repr(value)]
+        return ["float", repr(value + 0.0)]  # + 0.0 turns -0.0 into 0.0: equal values, one key
     if isinstance(value, (list, tuple)):
         return ["list", [canonical(v, f"{path}[{i}]") for i, v in enumerate(value)]]
     if isinstance(value, Mapping):
@@ -146,6 +146,8 @@ def canonical(value: Any, path: str = "value") -> Any:
     if isinstance(value, uuid.UUID):
         return ["uuid", str(value)]
     if isinstance(value, Decimal):
+        if value.is_zero():
+            return ["decimal", "0"]  # Decimal("-0") == Decimal("0.00") == 0
         return ["decimal", str(value.normalize()) if value.is_finite() else str(value)]
     if isinstance(value, datetime):
         if value.tzinfo is not None and value.utcoffset() is not None:

@@ -121,6 +121,7 @@ DEFAULT_STATE_TTL = 24 * 3600.0
 """Seconds the state hash (fence counter, last finished owner) outlives its last use."""
 
 TOKEN_BYTES = 16  # 128 bits
+MAX_TTL = 10 * 365 * 24 * 3600.0  # ten years: beyond that Redis may refuse the expiry
 
 
 def redact_url(url: str) -> str:
@@ -141,8 +142,8 @@ def check_ttl(ttl: Any, what: str = "ttl") -> float:
     """Return ``ttl`` as seconds, or raise ValueError naming the bad value."""
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
         raise ValueError(f"{what} must be a number of seconds > 0, got {ttl!r}")
-    if not ttl > 0 or ttl == float("inf"):
-        raise ValueError(f"{what} must be a number of seconds > 0, got {ttl!r}")
+    if not 0 < ttl <= MAX_TTL:
+        raise ValueError(f"{what} must be a number of seconds > 0 and <= {MAX_TTL:g}, got {ttl!r}")
     return float(ttl)
 
 
@@ -262,6 +263,11 @@ class LockServer:
         server.url = redact_url(url)
         return server
 
+    def close(self) -> None:
+        """Close this server's connections (they reopen on the next operation)."""
+        self.client.close()
+        self.client.connection_pool.disconnect()
+
     def with_timeout(self, seconds: float) -> LockServer:
         """A twin on its own connection pool whose commands time out after ``seconds``."""
         pool = self.client.connection_pool
@@ -294,6 +300,8 @@ class LockServer:
                 return self.client.evalsha(self._sha(script), len(keys), *keys, *args)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise LockBackendUnavailable(self.url, str(exc) or type(exc).__name__) from exc
+        except RedisError as exc:  # e.g. WRONGTYPE: the key holds something that is not our lock
+            raise LockError(f"Redis at {self.url} refused the lock operation on {keys[0]!r}: {exc}") from exc
 
     # -- operations ------------------------------------------------------
 

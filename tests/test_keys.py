@@ -255,3 +255,10 @@ def test_keys_equal_in_processes_with_other_hash_seeds():
             env=env, capture_output=True, text=True, timeout=50, check=True,
         )
         assert json.loads(out.stdout) == here, f"PYTHONHASHSEED={seed}"
+
+
+def test_negative_zero_is_zero():
+    """-0.0 == 0.0 and Decimal("-0") == Decimal("0.00") in Python: one key each."""
+    assert keys.canonical(-0.0) == keys.canonical(0.0)
+    assert keys.canonical(Decimal("-0")) == keys.canonical(Decimal("0")) == keys.canonical(Decimal("0.00"))
+    assert keys.canonical(Decimal("1.0")) != keys.canonical(Decimal("0"))

@@ -11,6 +11,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import re
 import secrets
 import socket
 import threading
@@ -24,7 +25,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from celery_singleton_lock.exceptions import LockBackendUnavailable, LockError, LockLost
-from celery_singleton_lock.lock import Holder, Lock, LockServer, redact_url, slot_safe
+from celery_singleton_lock.lock import Holder, Lock, LockServer, check_ttl, redact_url, slot_safe
 from celery_singleton_lock.testing import Monitor, RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -717,3 +718,27 @@ def test_ensure_raises_once_a_whole_ttl_passed_unconfirmed(redis_server):
     with pytest.raises(LockLost, match="whole ttl"):
         lock.ensure()
     assert lock.lost
+
+
+def test_a_foreign_value_under_the_key_is_a_lock_error(redis_server):
+    """A key that holds something else (here a hash) gives a LockError, not a raw redis error."""
+    server = LockServer.from_url(redis_server.url(2))
+    name = f"foreign-{uuid.uuid4().hex}"
+    redis_server.client(2).hset(slot_safe(name), "x", "1")
+    with pytest.raises(LockError, match="refused the lock operation") as info:
+        server.acquire(name, 5)
+    assert not isinstance(info.value, LockBackendUnavailable)
+
+
+@pytest.mark.parametrize("ttl", [1e300, 10 * 365 * 24 * 3600.0 + 1])
+def test_a_ttl_redis_would_refuse_is_a_value_error(ttl):
+    with pytest.raises(ValueError, match=re.escape(repr(ttl))):
+        check_ttl(ttl)
+
+
+def test_close_drops_the_connections_and_they_come_back(redis_server):
+    server = LockServer.from_url(redis_server.url(2))
+    lock = server.acquire(f"close-{uuid.uuid4().hex}", 5)
+    assert isinstance(lock, Lock)
+    server.close()
+    assert server.release(lock)  # reconnects on the next operation
