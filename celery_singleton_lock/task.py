@@ -169,7 +169,7 @@ class LockedTask(Task):
                 attempt = self._requeue(request, args, kwargs, settings, attempt, exc)
                 continue
             if isinstance(outcome, Lock):
-                setattr(request, HANDLE, outcome)  # from here on, task_postrun releases it
+                setattr(request, HANDLE, outcome)  # from here on, __call__ (or task_postrun) releases it
                 get_watchdog(**settings.watchdog_options).track(outcome, partial(_announce_lost, self, task_id))
                 lock_acquired.send(sender=self, key=key, task_id=task_id, lock=outcome)
                 if self.lock_track_started and not request.is_eager and not get_actual_ignore_result(self, request):
