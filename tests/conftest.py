@@ -118,19 +118,9 @@ def worker_processes(redis_server: RedisServer, tmp_path):
 @pytest.fixture
 def worker_app(redis_server: RedisServer):
     """The subprocess workers' app module, configured for the private redis-server, on the client side."""
-    os.environ["CSL_REDIS_URL_BASE"] = f"redis://127.0.0.1:{redis_server.port}"
-    import importlib
-    import sys
+    from _task_support import load_worker_app  # one loader for every test module
 
-    loaded = sys.modules.get("apps.worker_app")
-    if loaded is not None and loaded.BASE == os.environ["CSL_REDIS_URL_BASE"]:
-        module = loaded  # a reload would register its shared tasks once more in every later app
-    else:
-        sys.path.insert(0, str(ROOT / "tests"))
-        try:
-            module = importlib.reload(loaded) if loaded else importlib.import_module("apps.worker_app")
-        finally:
-            sys.path.remove(str(ROOT / "tests"))
+    module = load_worker_app(redis_server)
     for db in (0, 1, 2, 3):
         redis_server.client(db).flushdb()  # our own private server only
     return module
