@@ -3,7 +3,7 @@
 
     python3 dev.py demo    # run the inventory demo (the main job)
     python3 dev.py demo beat   # the beat example: periodic runs never overlap
-    python3 dev.py test    # run the whole test suite (what CI runs)
+    python3 dev.py test    # ruff, mypy, then the whole test suite (what CI runs)
     python3 dev.py bench   # run the benchmarks (not part of CI)
 
 Set-up: a virtualenv in .venv with the package and its test extra installed
@@ -69,6 +69,9 @@ def main() -> int:
     if cmd == "test":
         ensure_venv()
         code = run([str(PY), "-m", "ruff", "check", "."])
+        if code:
+            return code
+        code = run([str(PY), "-m", "mypy"])  # strict on the package: [tool.mypy] in pyproject.toml
         if code:
             return code
         return run([str(PY), "-m", "pytest", *rest])

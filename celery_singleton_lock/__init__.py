@@ -9,16 +9,22 @@ The engine underneath (:class:`LockServer`, :class:`Lock`) and the watchdog
 work without Celery too; see :func:`held`.
 """
 
+from . import control as _control  # noqa: F401  (registers the `celery inspect locks` command)
 from .exceptions import (
     DuplicateTask,
+    LockBackendRefused,
     LockBackendUnavailable,
     LockContended,
     LockError,
     LockKeyError,
     LockLost,
+    LockWaitTimeout,
+    SelfDeadlock,
 )
-from .lock import Holder, Lock, LockServer
+from .lock import Holder, Lock, Released
 from .plain import held
+from .policies import WAITING
+from .server import LockServer
 from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
 from .task import LockedTask
 from .watchdog import Watchdog, get_watchdog
@@ -31,6 +37,11 @@ __all__ = [
     "LockError",
     "LockKeyError",
     "LockBackendUnavailable",
+    "LockBackendRefused",
+    "LockWaitTimeout",
+    "SelfDeadlock",
+    "WAITING",
+    "Released",
     "Lock",
     "LockServer",
     "Holder",

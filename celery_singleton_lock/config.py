@@ -18,18 +18,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import queue, servers
 from .keys import KeySpec
-from .lock import LockServer, check_ttl, redact_url
+from .lock import check_ttl, redact_url
+from .server import DEFAULT_REPLICA_TIMEOUT, LockServer
+from .urls import lock_source, transport_options
+from .urls import lock_url as lock_url  # re-exported: callers and tests read config.lock_url
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("skip", "retry", "raise")
+POLICIES = ("skip", "retry", "raise", "backoff")
 
 # option on the task -> (app setting, default)
 OPTIONS: dict[str, tuple[str, Any]] = {
     "lock_ttl": ("singleton_lock_ttl", 30.0),
     "on_duplicate": ("singleton_lock_on_duplicate", "skip"),
     "lock_prefix": ("singleton_lock_prefix", "singleton_lock"),
+    "lock_max_wait": ("singleton_lock_max_wait", 3600.0),
     "lock_max_retries": ("singleton_lock_max_retries", 50),
     "lock_retry_backoff": ("singleton_lock_retry_backoff", 1.0),
     "lock_retry_backoff_max": ("singleton_lock_retry_backoff_max", 30.0),
@@ -38,9 +43,16 @@ OPTIONS: dict[str, tuple[str, Any]] = {
 APP_SETTINGS: dict[str, Any] = {
     "singleton_lock_url": None,
     "singleton_lock_redis_options": {},
-    "singleton_lock_state_ttl": 24 * 3600.0,
+    "singleton_lock_redelivery_window": None,
+    "singleton_lock_release_timeout": 2.0,
+    "singleton_lock_transport_options": {},
+    "singleton_lock_min_replicas": 0,
+    "singleton_lock_replica_timeout": DEFAULT_REPLICA_TIMEOUT,
 }
-# app setting -> the process watchdog's option (used when a process creates its watchdog)
+DEFAULT_REDELIVERY_WINDOW = 3600.0
+"""Seconds a success is remembered for acks_late tasks, when the broker has no visibility timeout."""
+
+# app setting -> the process watchdog's option
 WATCHDOG_SETTINGS: dict[str, str] = {
     "singleton_lock_watchdog_tick": "tick",
     "singleton_lock_watchdog_chunk": "chunk",
@@ -56,18 +68,29 @@ class LockSettings:
     ttl: float
     on_duplicate: str
     prefix: str
+    max_wait: float
     max_retries: int
     retry_backoff: float
     retry_backoff_max: float
     redis_options: dict[str, Any]
-    state_ttl: float
+    redelivery_window: float
+    """Seconds an acks_late task's success is remembered, to drop its redeliveries."""
+    release_timeout: float
+    index: str
+    """The sweeper's index of keys with waiting tasks (from the app's prefix, shared by its tasks)."""
     watchdog_options: dict[str, Any] = field(default_factory=dict)
     """Only what the app sets; the watchdog's own defaults fill the rest."""
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    """Sentinel's ``master_name``, ``sentinel_kwargs``, ``min_other_sentinels`` (see urls.transport_options)."""
+    min_replicas: int = 0
+    """Replicas that must acknowledge an acquire or renewal (Redis WAIT); 0: none asked."""
+    replica_timeout: float = DEFAULT_REPLICA_TIMEOUT
+    """Seconds to wait for them."""
 
 
 def _check_option(where: str, option: str, value: Any) -> Any:
     """Validate one option's value; the error names ``where`` (task or setting) and the option."""
-    if option == "lock_ttl" or option == "lock_retry_backoff" or option == "lock_retry_backoff_max":
+    if option in ("lock_ttl", "lock_max_wait", "lock_retry_backoff", "lock_retry_backoff_max"):
         try:
             return check_ttl(value, option)
         except ValueError as exc:
@@ -98,20 +121,35 @@ def check_task_options(task_name: str, task_cls: type, sig: inspect.Signature) -
 
 
 def check_lock_key(where: str, lock_key: KeySpec, sig: inspect.Signature) -> None:
+    """Fail at definition time on a ``lock_key`` that could never key a call right.
+
+    A name must be a named parameter, or, on a task that takes ``**kw``, a name
+    that may come through it (a call that leaves it out then fails in
+    keys.derive()). The ``*args`` or ``**kw`` parameter itself is no name to key
+    on: it used to key every call on None, so all calls shared one key.
+    """
     if lock_key is None or callable(lock_key):
         return
     if isinstance(lock_key, str) or not isinstance(lock_key, (list, tuple)):
         raise ValueError(
             f"{where}: lock_key must be None, a list of argument names or a callable, got {lock_key!r}"
         )
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    params = sig.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for name in lock_key:
         if not isinstance(name, str):
             raise ValueError(f"{where}: lock_key names must be str, got {name!r}")
-        if name not in sig.parameters and not takes_any:
+        param = params.get(name)
+        if param is not None and param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            star = "*" if param.kind is inspect.Parameter.VAR_POSITIONAL else "**"
+            raise ValueError(
+                f"{where}: lock_key names {name!r}, the task's {star}{name} parameter itself; "
+                f"name the arguments to key on (or leave lock_key None to key on all of them)"
+            )
+        if param is None and not takes_any:
             raise ValueError(
                 f"{where}: lock_key names {name!r}, which is not a parameter of the task "
-                f"(parameters: {', '.join(sig.parameters) or 'none'})"
+                f"(parameters: {', '.join(params) or 'none'})"
             )
 
 
@@ -131,70 +169,91 @@ def resolve(task: Any) -> LockSettings:
     redis_options = conf.get("singleton_lock_redis_options") or {}
     if not isinstance(redis_options, dict):
         raise ValueError(f"setting singleton_lock_redis_options must be a dict, got {redis_options!r}")
-    state_ttl = conf.get("singleton_lock_state_ttl") or APP_SETTINGS["singleton_lock_state_ttl"]
+    app_prefix = _check_option("setting singleton_lock_prefix", "lock_prefix",
+                               conf.get("singleton_lock_prefix") or OPTIONS["lock_prefix"][1])
+    url, source = lock_source(conf)
+    min_replicas = conf.get("singleton_lock_min_replicas") or 0
+    if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 0:
+        raise ValueError(f"setting singleton_lock_min_replicas must be an int >= 0, got {min_replicas!r}")
+    replica_timeout = check_ttl(conf.get("singleton_lock_replica_timeout") or DEFAULT_REPLICA_TIMEOUT,
+                                "setting singleton_lock_replica_timeout (seconds)")
     return LockSettings(
-        url=lock_url(conf),
+        url=url,
         ttl=values["lock_ttl"],
         on_duplicate=values["on_duplicate"],
         prefix=values["lock_prefix"],
+        max_wait=values["lock_max_wait"],
         max_retries=values["lock_max_retries"],
         retry_backoff=values["lock_retry_backoff"],
         retry_backoff_max=values["lock_retry_backoff_max"],
         redis_options=dict(redis_options),
-        state_ttl=check_ttl(state_ttl, "singleton_lock_state_ttl"),
-        watchdog_options={
-            option: conf.get(setting) for setting, option in WATCHDOG_SETTINGS.items() if conf.get(setting) is not None
-        },
+        redelivery_window=redelivery_window(conf),
+        release_timeout=check_ttl(conf.get("singleton_lock_release_timeout") or 2.0, "singleton_lock_release_timeout"),
+        index=queue.index_key(app_prefix),
+        watchdog_options=watchdog_options(conf),
+        transport_options=transport_options(conf, source),
+        min_replicas=min_replicas,
+        replica_timeout=replica_timeout,
     )
 
 
-def _is_redis(url: Any) -> bool:
-    return isinstance(url, str) and url.split("://", 1)[0] in ("redis", "rediss", "unix")
+def watchdog_options(conf: Any) -> dict[str, Any]:
+    """The app's ``singleton_lock_watchdog_*`` settings, checked (a bad one names the setting)."""
+    options = {}
+    for setting, option in WATCHDOG_SETTINGS.items():
+        value = conf.get(setting)
+        if value is None:
+            continue
+        if option == "chunk":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"setting {setting} must be an int >= 1, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 3600:
+            raise ValueError(f"setting {setting} must be a number of seconds > 0 (and < 3600), got {value!r}")
+        options[option] = value
+    return options
 
 
-def lock_url(conf: Any) -> str:
-    """``singleton_lock_url``, else a Redis result backend, else a Redis broker, else localhost."""
-    url = conf.get("singleton_lock_url")
-    if url:
-        if not _is_redis(url):
-            raise ValueError(
-                f"setting singleton_lock_url must be a redis://, rediss:// or unix:// URL, got {redact_url(str(url))!r}"
-            )
-        return url
-    for candidate in (conf.get("result_backend"), conf.get("broker_url")):
-        if _is_redis(candidate):
-            return candidate
-    return "redis://localhost:6379/0"
+def redelivery_window(conf: Any) -> float:
+    """``singleton_lock_redelivery_window``, else the broker's visibility timeout, else an hour."""
+    value = conf.get("singleton_lock_redelivery_window")
+    if value is not None:
+        return check_ttl(value, "setting singleton_lock_redelivery_window")
+    visibility = (conf.get("broker_transport_options") or {}).get("visibility_timeout")
+    if isinstance(visibility, (int, float)) and not isinstance(visibility, bool) and visibility > 0:
+        return float(visibility)
+    return DEFAULT_REDELIVERY_WINDOW
 
 
-# -- one LockServer per URL and process ----------------------------------------
+# -- one LockServer per connection and process ---------------------------------
 
-_servers: dict[tuple[str, str], LockServer] = {}
+_servers: dict[tuple[str, ...], LockServer] = {}
 _servers_lock = threading.Lock()
 
-
-_by_settings: dict[int, tuple[LockSettings, LockServer]] = {}
-"""id(settings) -> (settings, its server): a task resolves its settings once, so every
-execution after the first finds its server here without rebuilding the cache key."""
-
-
 def server_for(settings: LockSettings) -> LockServer:
-    """The process's shared LockServer for these settings (logs the URL on first use)."""
-    hit = _by_settings.get(id(settings))
-    if hit is not None and hit[0] is settings:
-        return hit[1]
-    cache_key = (settings.url, repr(sorted(settings.redis_options.items())) + repr(settings.state_ttl))
+    """The process's shared LockServer for these settings (logs the URL on first use).
+
+    Servers are told apart by their whole connection identity (the full URL with
+    its credentials, and the client options), never by the redacted URL. A task
+    keeps the one it got (``LockedTask.lock_server``), so this runs once per task
+    and process.
+    """
+    cache_key = (settings.url, repr(sorted(settings.redis_options.items())),
+                 repr(sorted(settings.transport_options.items())), str(settings.min_replicas),
+                 repr(settings.replica_timeout))
     server = _servers.get(cache_key)
     if server is None:
         with _servers_lock:
             server = _servers.get(cache_key)
             if server is None:
-                server = LockServer.from_url(settings.url, state_ttl=settings.state_ttl, **settings.redis_options)
+                server = servers.from_settings(
+                    settings.url, transport_options=settings.transport_options,
+                    redis_options=settings.redis_options, min_replicas=settings.min_replicas,
+                    replica_timeout=settings.replica_timeout,
+                )
                 logger.info("celery-singleton-lock: locks live at %s", redact_url(settings.url))
+                for member in getattr(server, "members", [server]):  # every master of a quorum
+                    servers.check_eviction_policy(member.client, member.url)
                 _servers[cache_key] = server
-    if len(_by_settings) >= 1024:  # settings made per call (not a task's): keep the cache small
-        _by_settings.clear()
-    _by_settings[id(settings)] = (settings, server)  # holds settings, so its id is not reused while cached
     return server
 
 

@@ -29,6 +29,22 @@ class LockBackendUnavailable(LockError):
         return f"cannot reach the lock's Redis at {self.url}: {self.reason}"
 
 
+class LockBackendRefused(LockError):
+    """The lock's Redis refused in a way that trying again cannot fix: a wrong password
+    or ACL, a server that is not Redis, a key holding something that is not our lock.
+
+    ``url`` is shown without its password; ``reason`` says what to fix.
+    """
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(url, reason)
+        self.url = url
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"the lock's Redis at {self.url} refused: {self.reason}"
+
+
 class LockLost(LockError):
     """The lock this execution held is gone: expired, deleted or taken by another."""
 
@@ -71,3 +87,37 @@ class LockContended(LockError):
 
 class LockKeyError(LockError, TypeError):
     """The task's arguments cannot be turned into a lock key."""
+
+
+class LockWaitTimeout(LockContended):
+    """A duplicate waited in the key's line longer than its ``lock_max_wait``: the line did not move."""
+
+    def __init__(self, key: str, max_wait: float) -> None:
+        LockError.__init__(self, key, max_wait)
+        self.key = key
+        self.max_wait = max_wait
+        self.holder_task_id = None
+        self.attempts = 0
+
+    def __str__(self) -> str:
+        return f"waited in line for lock {self.key!r} longer than lock_max_wait ({self.max_wait:g}s)"
+
+
+class SelfDeadlock(LockError):
+    """An eager call would wait for a lock that its own caller, up the same call stack, holds.
+
+    Under ``task_always_eager`` (or ``apply()``), a LockedTask that calls another call
+    with the same key from inside its body can never get the lock: the caller waits
+    for the call, and the call would wait for the caller.
+    """
+
+    def __init__(self, key: str, holder_task_id: str | None) -> None:
+        super().__init__(key, holder_task_id)
+        self.key = key
+        self.holder_task_id = holder_task_id
+
+    def __str__(self) -> str:
+        return (
+            f"lock {self.key!r} is held by task {self.holder_task_id}, which is up this call stack: waiting "
+            "for it would deadlock (an eager call of the same key from inside the locked task)"
+        )

@@ -1,19 +1,30 @@
 """The same lock for code that is not a Celery task: ``with held(url, name, ttl): ...``.
 
-It takes the lock (waiting up to ``wait`` seconds), has the process's
-watchdog renew it while the block runs, and releases it however the block
-ends. Inside, ``lock.ensure()`` and ``lock.fencing_token`` work as in a task.
+It takes the lock, waiting up to ``wait`` seconds in the key's line (woken by
+the release that hands it the key, first come first served), has the
+process's watchdog renew it while the block runs, and releases it however the
+block ends. Inside, ``lock.ensure()`` and ``lock.fencing_token`` work as in a task.
+
+With an ``owner_id`` it is reentrant within one thread: the same owner taking
+the same key again nests (``lock.depth``) instead of waiting for itself; see
+:mod:`celery_singleton_lock.reentry` and docs/beat_and_reentrancy.md.
 """
 
 from __future__ import annotations
 
+import os
+import random
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from . import reentry
 from .exceptions import LockContended
-from .lock import Holder, Lock, LockServer
+from .lock import Holder, Lock, Verdict, slot_safe
+from .queue import wait_turn
+from .server import LockServer
+from .servers import from_settings
 from .watchdog import get_watchdog
 
 _servers: dict[str, LockServer] = {}
@@ -23,7 +34,7 @@ _servers_lock = threading.Lock()
 def _server(url: str) -> LockServer:
     with _servers_lock:
         if url not in _servers:
-            _servers[url] = LockServer.from_url(url)
+            _servers[url] = from_settings(url)  # one Redis or a Cluster (Sentinel: pass a LockServer)
         return _servers[url]
 
 
@@ -36,26 +47,64 @@ def held(
     wait: float = 0.0,
     owner_id: str | None = None,
 ) -> Iterator[Lock]:
-    """Hold lock ``name`` for the block; raise :class:`LockContended` if it stays busy ``wait`` s."""
+    """Hold lock ``name`` for the block; raise :class:`LockContended` if it stays busy ``wait`` s.
+
+    Reentrant for the same owner in the same thread: if this thread already
+    holds ``name`` (on this server) for ``owner_id`` (a ``held`` block further
+    up, or the running task's own lock with ``owner_id=self.request.id``), the
+    block gets that same handle with ``depth`` + 1, at once and without a round
+    trip, and only the outermost exit releases it. ``ttl`` and ``wait`` are then
+    the outer hold's. Another owner, or the same owner id in another thread,
+    waits or is refused as usual (even when this very thread holds the key:
+    ``wait`` is honoured, and can only run out then).
+    """
     if isinstance(server, str):
         server = _server(server)
-    deadline = time.monotonic() + wait
-    pause, attempts = 0.02, 0
-    while True:
-        attempts += 1
+    key = slot_safe(name)
+    mine = reentry.find(server, key, owner_id)
+    if mine is not None:  # the same owner, up this thread's stack: nest
+        with reentry.again(mine) as lock:
+            yield lock
+        return
+    outcome: Lock | Holder | Verdict | None = None
+    if wait <= 0 or reentry.holds_key(key):  # else wait_turn's first try is the only round trip
         outcome = server.acquire(name, ttl, owner_id=owner_id)
-        if isinstance(outcome, Lock):
-            break
-        holder = outcome.owner_id if isinstance(outcome, Holder) else owner_id
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise LockContended(outcome.key if isinstance(outcome, Holder) else name, holder, attempts)
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, 0.5)
+    if isinstance(outcome, Holder) and not outcome.queued:
+        # held up this very stack (e.g. the same Redis reached through another URL spelling)?
+        ours = reentry.held_here(key, token=outcome.raw.partition(" ")[0])
+        if ours is not None:
+            if owner_id is not None and ours.owner_id == owner_id:
+                with reentry.again(ours) as lock:
+                    yield lock
+                return
+    if not isinstance(outcome, Lock) and wait > 0:
+        if server.supports_line:
+            outcome = wait_turn(server, name, ttl, owner_id=owner_id, wait=wait)
+        else:  # a quorum of masters orders no line: try again with back-off until the wait runs out
+            outcome = _poll(server, name, ttl, owner_id, wait)
+    if not isinstance(outcome, Lock):
+        holder = outcome.owner_id if isinstance(outcome, Holder) else None
+        raise LockContended(outcome.key if isinstance(outcome, Holder) else name, holder, 1)
     watchdog = get_watchdog()
     watchdog.track(outcome)
+    reentry.register(outcome)
     try:
         yield outcome
     finally:
-        watchdog.forget(outcome)
-        server.release(outcome)
+        reentry.unregister(outcome)
+        if outcome.pid == os.getpid():  # a forked child leaves its parent's lock alone
+            watchdog.forget(outcome)
+            server.release(outcome)
+
+
+def _poll(server: LockServer, name: str, ttl: float, owner_id: str | None, wait: float) -> Lock | Holder | Verdict:
+    """Try again every 20 ms doubling to 0.5 s, until ``wait`` runs out (quorum mode)."""
+    deadline = time.monotonic() + wait
+    pause = 0.02
+    while True:
+        outcome = server.acquire(name, ttl, owner_id=owner_id)
+        left = deadline - time.monotonic()
+        if isinstance(outcome, Lock) or left <= 0:
+            return outcome
+        time.sleep(min(pause, left) * random.uniform(0.5, 1.0))
+        pause = min(pause * 2, 0.5)

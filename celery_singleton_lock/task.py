@@ -3,19 +3,17 @@
 One execution, as data::
 
     before_start -> keys.derive -> LockServer.acquire (one round trip)
-      taken:        watchdog.track; the body sees the handle as self.lock
-      held:         the duplicate policy (skip / retry / raise) decides; the body never runs
-      same task id: a redelivery of the running task: re-queued until the holder is gone
+      -> decide.decide(what it found, who is asking) -> one action, carried out here:
+         run (the body sees the handle as self.lock), park in the key's line,
+         drop, skip, raise, back off, ...
     body -> any end (success, exception, retry, Ignore, Reject, time limit, eager)
-      -> watchdog.forget -> LockServer.release (one round trip, once)
+      -> watchdog.forget -> LockServer.release (one round trip, once; the key
+         passes to the next waiter in the same round trip, and it is sent at once)
 
 The release happens in ``__call__`` as soon as the body returns or raises,
 before Celery stores the result: whoever sees the result and sends a
 duplicate finds the key free. ``task_postrun`` is the safety net for every
-other way out (an error after the acquire but before the body): Celery's
-tracer sends it for every state once it has entered the task, eager runs that
-propagate included, while ``after_return`` is skipped for RETRY, IGNORED and
-REJECTED.
+other way out (an error after the acquire but before the body).
 
 Per-execution state (the handle) lives on ``self.request``, never on ``self``:
 one task instance serves every thread of a process.
@@ -26,33 +24,40 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import random
-import time
+import secrets
+from dataclasses import replace
 from functools import partial
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar
 
 from celery import Task
 from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Reject, Retry
-from celery.signals import task_postrun, worker_process_shutdown, worker_shutdown
+from celery.signals import task_postrun, worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 from celery.states import FAILURE, IGNORED, REJECTED, RETRY, STARTED, SUCCESS
 
-from . import config, keys
-from .exceptions import DuplicateTask, LockBackendUnavailable, LockContended
-from .lock import Holder, Lock
-from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
+from . import config, handoff, keys, policies, queue, reentry, releasing, timing
+from .decide import Action, Delivery, Found, decide
+from .exceptions import (
+    LockBackendUnavailable,
+    LockError,
+    LockKeyError,
+    LockWaitTimeout,
+)
+from .lock import Holder, Lock, Verdict
+from .server import LockServer
+from .signals import lock_acquired, lock_lost, lock_released
 from .watchdog import get_watchdog, shutdown_watchdog
 
 logger = logging.getLogger("celery_singleton_lock")
 
 HANDLE = "_singleton_lock"
 """Attribute of ``self.request`` that holds the execution's Lock."""
-
+_REENTERED = "_singleton_lock_reentered"
+"""Set on ``self.request`` when it runs under a lock held further up its call stack."""
 _BODY_STARTED = "_singleton_lock_body_started"
 """Set on ``self.request`` once the tracer called the body, so a nested direct call is told apart."""
 
-ATTEMPT_HEADER = "singleton_lock_attempt"
-"""Message header counting lock-contention re-queues (kept apart from ``retries``)."""
+_LINE_ACTIONS = (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.WAIT_HERE)
 
 
 class LockedTask(Task):
@@ -66,10 +71,13 @@ class LockedTask(Task):
     ``lock_ttl``
         seconds the lock lives without renewal (``singleton_lock_ttl``, 30).
     ``on_duplicate``
-        "skip", "retry" or "raise" (``singleton_lock_on_duplicate``, "skip").
+        "skip", "retry", "raise" or "backoff" (``singleton_lock_on_duplicate``, "skip").
+    ``lock_max_wait``
+        seconds a duplicate may wait in line ("retry") before it fails with
+        :class:`LockWaitTimeout` (``singleton_lock_max_wait``, 3600).
     ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``
-        the budget and back-off of lock-contention re-queues, apart from the
-        task's own ``max_retries`` (50, 1 s, 30 s).
+        the budget and back-off of re-sends, for "backoff" and for an
+        unreachable Redis, apart from the task's own ``max_retries`` (50, 1 s, 30 s).
     ``lock_prefix``
         the first part of every key (``singleton_lock_prefix``, "singleton_lock").
 
@@ -80,12 +88,11 @@ class LockedTask(Task):
     reads False and ``task.lock_track_started`` True.
     """
 
-    abstract = True
-
     lock_key: ClassVar[keys.KeySpec] = None
     lock_ttl: ClassVar[float | None] = None
     on_duplicate: ClassVar[str | None] = None
     lock_prefix: ClassVar[str | None] = None
+    lock_max_wait: ClassVar[float | None] = None
     lock_max_retries: ClassVar[int | None] = None
     lock_retry_backoff: ClassVar[float | None] = None
     lock_retry_backoff_max: ClassVar[float | None] = None
@@ -94,7 +101,7 @@ class LockedTask(Task):
     """The task's ``track_started`` (option or ``task_track_started``): LockedTask stores
     STARTED itself, once the lock is taken (see :meth:`on_bound`)."""
 
-    _lock_signature: ClassVar[Any] = None
+    _lock_signature: Any = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Check the lock options when the task class is made, i.e. when it binds to its app.
@@ -142,7 +149,17 @@ class LockedTask(Task):
                 self._lock_signature = config.signature_of(self.run, bound=False)  # a bound method
             # the options may have been changed on the class since it was made
             config.check_task_options(self.name, type(self), self._lock_signature)
-            settings = self.__dict__["_singleton_lock_settings"] = config.resolve(self)
+            settings = config.resolve(self)
+            shortest = timing.shortest_safe_ttl(**{
+                k: v for k, v in settings.watchdog_options.items() if k in ("tick", "socket_timeout")
+            })
+            if settings.ttl < shortest:
+                logger.warning(
+                    "task %s: lock_ttl %gs is shorter than the watchdog can keep safely (%.1fs with its tick and "
+                    "socket timeout): a lock may be declared lost after one slow renewal", self.name, settings.ttl,
+                    shortest,
+                )
+            self.__dict__["_singleton_lock_settings"] = settings
         return settings
 
     def lock_key_for(self, args: Any = (), kwargs: Any = None) -> str:
@@ -150,116 +167,118 @@ class LockedTask(Task):
         settings = self.lock_settings()
         return keys.derive(settings.prefix, self.name, self._lock_signature, args or (), kwargs or {}, self.lock_key)
 
+    def lock_server(self) -> LockServer:
+        """The process's LockServer for this task's settings; its waiting copies go through this app."""
+        server = self.__dict__.get("_singleton_lock_server")
+        if server is None:
+            server = config.server_for(self.lock_settings())
+            if server.send_handoff is None:
+                server.send_handoff = handoff.SEND
+            handoff.register(self)
+            self.__dict__["_singleton_lock_server"] = server
+        return server
+
+    def signature_from_request(self, request: Any = None, args: Any = None, kwargs: Any = None,
+                               queue: Any = None, **extra_options: Any) -> Any:
+        """Celery's, without our headers: ``self.retry()`` and ``replace()`` copies start afresh."""
+        sig = super().signature_from_request(request, args, kwargs, queue, **extra_options)
+        headers = sig.options.get("headers")
+        if headers:
+            sig.options["headers"] = {k: v for k, v in headers.items() if not k.startswith(handoff.HEADER_PREFIX)}
+        return sig
+
     # -- acquire -------------------------------------------------------------------
 
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
         super().before_start(task_id, args, kwargs)
-        settings = self.lock_settings()
-        key = keys.derive(settings.prefix, self.name, self._lock_signature, args, kwargs, self.lock_key)
-        server = config.server_for(settings)
+        settings = self.__dict__.get("_singleton_lock_settings") or self.lock_settings()
         request = self.request
-        attempt = _attempt(request)
+        headers = request.headers or {}
+        key = keys.derive(settings.prefix, self.name, self._lock_signature, args, kwargs, self.lock_key)
+        if headers.get(handoff.EXPIRED):
+            raise LockWaitTimeout(key, settings.max_wait)
+        server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
+        redelivered = bool((request.delivery_info or {}).get("redelivered"))
+        entry = headers.get(handoff.ENTRY) or None
+        token = headers.get(policies.TOKEN) or secrets.token_hex(16)
+        who: Delivery | None = None
         while True:
             try:
-                outcome = server.acquire(key, settings.ttl, owner_id=task_id)
+                outcome = server.acquire(
+                    key, settings.ttl, owner_id=task_id, token=token, entry=entry, check_done=redelivered,
+                )
             except LockBackendUnavailable as exc:
-                if attempt >= settings.max_retries:
-                    raise
-                logger.warning("lock %s: %s; task %s will try again", key, exc, task_id)
-                attempt = self._requeue(request, args, kwargs, settings, attempt, exc)
+                policies.unreachable(self, request, args, kwargs, settings, token, exc)
+                token = secrets.token_hex(16)  # eager: the old attempt's lock, if any, expires
                 continue
-            if isinstance(outcome, Lock):
-                setattr(request, HANDLE, outcome)  # from here on, __call__ (or task_postrun) releases it
-                get_watchdog(**settings.watchdog_options).track(outcome, partial(_announce_lost, self, task_id))
-                lock_acquired.send(sender=self, key=key, task_id=task_id, lock=outcome)
-                if self.lock_track_started and not request.is_eager and not get_actual_ignore_result(self, request):
-                    # what the tracer would have stored, had we let it (see on_bound)
-                    self.backend.store_result(
-                        task_id, {"pid": os.getpid(), "hostname": request.hostname}, STARTED, request=request
-                    )
-                return
-            if outcome is None:
-                self._drop_redelivery(key, task_id)
-            if outcome.owner_id == task_id:
-                attempt = self._wait_for_own_run(request, args, kwargs, settings, attempt, outcome)
+            if type(outcome) is Lock:  # the common case, first: no table to consult
+                return self._run_with(outcome, request, settings)
+            if who is None:
+                who = Delivery(
+                    policy=settings.on_duplicate,
+                    eager=bool(request.is_eager),
+                    redelivered=redelivered,
+                    handoff=entry is not None and not headers.get(handoff.RECOVERED),
+                    recovered=bool(headers.get(handoff.RECOVERED)),
+                    retry=bool(request.retries),
+                )
+            if isinstance(outcome, Holder):
+                who = replace(who, holder_on_stack=self._on_my_stack(outcome.owner_id))
+            action = decide(_found(outcome, task_id), who)
+            if not server.supports_line and action in _LINE_ACTIONS:
+                action = Action.BACKOFF  # a quorum of masters cannot order a line: try again later
+            if action is Action.RUN:
+                assert isinstance(outcome, Lock)
+                return self._run_with(outcome, request, settings)
+            if action is Action.AGAIN:  # a recovered copy whose entry is gone: as a redelivery
+                entry, redelivered = None, True
+                who = Delivery(policy=settings.on_duplicate, redelivered=True)
                 continue
-            attempt = self._on_duplicate(request, args, kwargs, settings, attempt, outcome)
+            if action is Action.REENTER:
+                lock = self._lock_on_stack(key)
+                lock.depth += 1  # one more nested hold of the one lock; the outermost releases
+                request.__dict__[HANDLE] = lock
+                request.__dict__[_REENTERED] = True
+                return None
+            if action is Action.WAIT_HERE:
+                got = queue.wait_turn(server, key, settings.ttl, owner_id=task_id, wait=settings.max_wait)
+                if isinstance(got, Lock):
+                    return self._run_with(got, request, settings)
+                raise LockWaitTimeout(key, settings.max_wait)
+            if action is Action.BACKOFF:
+                policies.backoff(self, request, args, kwargs, settings, outcome)
+                continue
+            if action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME):
+                if policies.park(self, action, request, args, kwargs, settings, server, key, outcome, entry):
+                    return None  # unreachable: _park raises Ignore once parked
+                entry = None  # the key was freed meanwhile: try again
+                continue
+            policies.refuse(self, action, request, settings, key, outcome)
 
-    def _on_duplicate(
-        self, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, attempt: int, holder: Holder
-    ) -> int:
-        """Apply the task's duplicate policy; returns only to try again (eager retry)."""
-        policy = settings.on_duplicate
-        task_id = request.id
-        logger.info(
-            "task %s[%s] is a duplicate: lock %s is held by task %s on %s (policy %s)",
-            self.name, task_id, holder.key, holder.owner_id, holder.host, policy,
+    def _run_with(self, lock: Lock, request: Any, settings: config.LockSettings) -> None:
+        setattr(request, HANDLE, lock)  # from here on, __call__ (or task_postrun) releases it
+        reentry.register(lock)  # held(..., owner_id=<task id>) in the body re-enters it
+        get_watchdog(**settings.watchdog_options).track(lock, partial(_announce_lost, self, request.id))
+        lock_acquired.send(sender=self, key=lock.key, task_id=request.id, lock=lock)
+        if self.lock_track_started and not request.is_eager and not get_actual_ignore_result(self, request):
+            # what the tracer would have stored, had we let it (see on_bound)
+            self.backend.store_result(
+                request.id, {"pid": os.getpid(), "hostname": request.hostname}, STARTED, request=request
+            )
+
+    def _on_my_stack(self, owner_id: str | None) -> bool:
+        """Is the execution holding the key up this thread's call stack (eager nesting)?"""
+        return owner_id is not None and any(
+            getattr(r, "id", None) == owner_id and HANDLE in getattr(r, "__dict__", {})
+            for r in self.request_stack.stack[:-1]
         )
-        duplicate_skipped.send(
-            sender=self, key=holder.key, task_id=task_id, holder_task_id=holder.owner_id, policy=policy
-        )
-        if policy == "raise":
-            raise DuplicateTask(holder.key, holder.owner_id)
-        if policy == "retry":
-            if attempt >= settings.max_retries:
-                raise LockContended(holder.key, holder.owner_id, attempt + 1)
-            return self._requeue(request, args, kwargs, settings, attempt, DuplicateTask(holder.key, holder.owner_id))
-        # skip: a terminal state at once, so result.get() does not hang in PENDING
-        reason = f"duplicate: lock {holder.key} is held by task {holder.owner_id}"
-        if not request.is_eager and not (self.ignore_result or request.ignore_result):
-            self.backend.mark_as_revoked(task_id, reason, request=request)
-        raise Ignore(reason)
 
-    def _wait_for_own_run(
-        self, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, attempt: int, holder: Holder
-    ) -> int:
-        """A delivery of the task id that holds the lock: a redelivery of the running task.
-
-        It must not run beside the holder, must not touch the holder's result,
-        and must not be lost: re-queue a copy for later (no budget: the holder
-        may run for long) and end this delivery without storing any state.
-        """
-        logger.info(
-            "task %s[%s] is being redelivered while its first run still holds lock %s; re-queued",
-            self.name, request.id, holder.key,
-        )
-        duplicate_skipped.send(
-            sender=self, key=holder.key, task_id=request.id, holder_task_id=holder.owner_id, policy="redelivery"
-        )
-        delay = _backoff(settings, attempt)
-        if request.is_eager:
-            time.sleep(delay)
-            return attempt + 1
-        self._publish_again(request, args, kwargs, delay, attempt + 1)
-        raise Ignore("redelivery of a running task; re-queued")
-
-    def _drop_redelivery(self, key: str, task_id: str) -> NoReturn:
-        logger.info("task %s[%s] already succeeded under lock %s; this redelivery is dropped", self.name, task_id, key)
-        duplicate_skipped.send(sender=self, key=key, task_id=task_id, holder_task_id=task_id, policy="redelivery")
-        raise Ignore("redelivery of a finished task")
-
-    def _requeue(
-        self, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, attempt: int, exc: Exception
-    ) -> int:
-        """Try again after a jittered back-off, without touching ``max_retries``.
-
-        Eager runs wait in place; worker runs re-publish and end as RETRY.
-        """
-        delay = _backoff(settings, attempt)
-        if request.is_eager:
-            time.sleep(delay)
-            return attempt + 1
-        sig = self._publish_again(request, args, kwargs, delay, attempt + 1)
-        raise Retry(f"lock busy, attempt {attempt + 1} of {settings.max_retries}", exc=exc, when=delay, sig=sig)
-
-    def _publish_again(self, request: Any, args: Any, kwargs: Any, delay: float, attempt: int) -> Any:
-        headers = dict(request.headers or {})
-        headers[ATTEMPT_HEADER] = attempt
-        sig = self.signature_from_request(
-            request, args, kwargs, countdown=delay, retries=request.retries, headers=headers
-        )
-        sig.apply_async()
-        return sig
+    def _lock_on_stack(self, key: str) -> Lock:
+        for r in reversed(self.request_stack.stack[:-1]):
+            lock: Lock | None = getattr(r, "__dict__", {}).get(HANDLE)
+            if lock is not None and lock.key == key:
+                return lock
+        raise LockError(f"lock {key}: no execution up this call stack holds it")  # decide() said one did
 
     # -- release -------------------------------------------------------------------
 
@@ -297,43 +316,72 @@ class LockedTask(Task):
             self.release_lock(state)
 
     def release_lock(self, state: str | None = None) -> None:
-        """Let the running execution's lock go, once: when the body ends, else from ``task_postrun``."""
+        """Let the running execution's lock go, once: when the body ends, else from ``task_postrun``.
+
+        Never fails the task: whatever Redis answers, the task keeps its own
+        outcome; a refusal is logged and signalled (``deleted=False``).
+        """
         request = self.request
-        lock: Lock | None = request.__dict__.pop(HANDLE, None)
+        lock: Lock | None = request.__dict__.get(HANDLE)
         if lock is None:
             return
-        get_watchdog().forget(lock)  # no renewal may follow the release
-        deleted = False
-        for tries in range(3):
-            try:
-                deleted = lock.server.release(lock, finished=state == SUCCESS)
-                break
-            except LockBackendUnavailable as exc:
-                logger.warning("releasing lock %s failed (try %d of 3): %s", lock.key, tries + 1, exc)
-                time.sleep(0.05 * (tries + 1))
-        else:
-            logger.error("lock %s could not be released; it expires within %gs", lock.key, lock.ttl)
-        if not deleted and not lock.lost:
+        if request.__dict__.pop(_REENTERED, False):
+            lock.depth -= 1
+            request.__dict__.pop(HANDLE, None)  # the outer execution releases it
+            return
+        if lock.pid != os.getpid():
+            request.__dict__.pop(HANDLE, None)  # the parent process releases it
+            return
+        reentry.unregister(lock)
+        get_watchdog().forget(lock)  # first: no renewal may follow the release, even if we are interrupted
+        request.__dict__.pop(HANDLE, None)
+        settings = self.lock_settings()
+        redeliverable = state == SUCCESS and releasing.may_be_redelivered(self, request)
+        remember = settings.redelivery_window if redeliverable else 0.0
+        status = releasing.release(lock, settings, succeeded=state == SUCCESS, remember=remember)
+        deleted = status == 1
+        if status == -1 and not lock.lost:
+            lock.mark_lost(f"found at release: another holder has the key (task {request.id} ended {state})")
+        elif status == 0 and not lock.lost:
+            lock.mark_lost(f"found at release: the key had expired (task {request.id} ended {state})")
+        elif status == -3 and not lock.lost:  # e.g. WRONGTYPE: the key holds something that is not our lock
+            lock.mark_lost(f"found at release: Redis refused the release (task {request.id} ended {state})")
+        if status in (0, -1):
             logger.warning("lock %s was no longer held by task %s at release", lock.key, request.id)
         lock_released.send(sender=self, key=lock.key, task_id=request.id, state=state, deleted=deleted)
 
 
-def _attempt(request: Any) -> int:
-    value = (request.headers or {}).get(ATTEMPT_HEADER, getattr(request, ATTEMPT_HEADER, 0))
-    try:
-        return int(value or 0)
-    except (TypeError, ValueError):
-        return 0
-
-
-def _backoff(settings: config.LockSettings, attempt: int) -> float:
-    """Exponential back-off with jitter (50-100% of the step), capped."""
-    step = min(settings.retry_backoff_max, settings.retry_backoff * (2 ** min(attempt, 30)))
-    return step * random.uniform(0.5, 1.0)
+def _found(outcome: Lock | Holder | Verdict, task_id: str) -> Found:
+    if isinstance(outcome, Lock):
+        return Found.TAKEN
+    if outcome is Verdict.ALREADY_SUCCEEDED:
+        return Found.ALREADY_SUCCEEDED
+    if outcome is Verdict.ENTRY_GONE:
+        return Found.ENTRY_GONE
+    if outcome.queued:
+        return Found.QUEUED
+    return Found.HELD_BY_SELF if outcome.owner_id == task_id and not outcome.reserved else Found.HELD
 
 
 def _announce_lost(task: LockedTask, task_id: str, lock: Lock, reason: str) -> None:
     lock_lost.send(sender=task, key=lock.key, task_id=task_id, reason=reason)
+
+
+def watch_app(app: Any) -> None:
+    """Start this process's sweeper on the servers of ``app``'s LockedTasks (worker start-up)."""
+    seen: set[tuple[LockServer, str]] = set()
+    for task in list(app.tasks.values()):
+        if not isinstance(task, LockedTask):
+            continue
+        try:
+            settings = task.lock_settings()
+            server = task.lock_server()
+        except (ValueError, LockKeyError) as exc:
+            logger.warning("task %s: no sweeping of its waiting line: %s", task.name, exc)
+            continue
+        if server.supports_line and (server, settings.index) not in seen:
+            seen.add((server, settings.index))
+            queue.get_sweeper().watch(server, settings.index)
 
 
 @task_postrun.connect(weak=False)
@@ -342,7 +390,24 @@ def _release_after_run(sender: Any = None, state: str | None = None, **_: Any) -
         sender.release_lock(state)
 
 
+@worker_process_init.connect(weak=False)
+def _sweep_in_child(**_: Any) -> None:
+    from celery import current_app
+
+    watch_app(current_app)
+
+
+@worker_ready.connect(weak=False)
+def _sweep_in_main(sender: Any = None, **_: Any) -> None:
+    # prefork's children sweep (worker_process_init); the other pools run tasks in this process
+    app = getattr(sender, "app", None)
+    pool = getattr(getattr(sender, "pool", None), "__class__", type(None)).__module__
+    if app is not None and "prefork" not in pool:
+        watch_app(app)
+
+
 @worker_process_shutdown.connect(weak=False)
 @worker_shutdown.connect(weak=False)
-def _stop_watchdog(**_: Any) -> None:
+def _stop_threads(**_: Any) -> None:
     shutdown_watchdog()
+    queue.shutdown_sweeper()

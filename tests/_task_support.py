@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import gc
 import importlib
+import json
 import os
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,6 +191,31 @@ def assert_no_overlap(intervals: list[tuple[float, float]], what: str = "runs") 
     ordered = sorted(intervals)
     for (s1, e1), (s2, e2) in zip(ordered, ordered[1:], strict=False):
         assert e1 <= s2, f"{what} overlap: [{s1}, {e1}] and [{s2}, {e2}]"
+
+
+# -- real redeliveries ------------------------------------------------------------------------
+
+RESTORE_FAST = {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+"""broker_transport_options for a worker whose kombu restores unacked messages every second."""
+
+
+def redeliver(broker, task, args, task_id: str, queue: str, kwargs=None) -> None:
+    """A REAL broker redelivery of ``task(*args)`` under ``task_id`` to ``queue``.
+
+    The message goes through kombu's own restore of unacked messages, as after a
+    visibility timeout or a lost worker: it is put in kombu's ``unacked`` hash as
+    if a consumer had held it for ages, and the worker's periodic restore (see
+    RESTORE_FAST) moves it back to its queue with ``delivery_info["redelivered"]``
+    True. (Publishing the same task id again is not a redelivery.)
+    """
+    hold = f"csl-hold-{uuid.uuid4().hex[:8]}"  # nobody consumes it: just to get the exact message
+    task.apply_async(args, kwargs, task_id=task_id, queue=hold)
+    raw = wait_until(lambda: broker.lpop(hold), 10, what="the message to capture")
+    payload = json.loads(raw)
+    payload["properties"]["delivery_info"] = {"exchange": "", "routing_key": queue}
+    tag = uuid.uuid4().hex
+    broker.hset("unacked", tag, json.dumps([payload, "", queue]))
+    broker.zadd("unacked_index", {tag: time.time() - 10 * 24 * 3600})
 
 
 # -- subprocess workers ---------------------------------------------------------------------

@@ -24,8 +24,9 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from celery_singleton_lock.exceptions import LockBackendUnavailable, LockError, LockLost
-from celery_singleton_lock.lock import Holder, Lock, LockServer, check_ttl, redact_url, slot_safe
+from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable, LockError, LockLost
+from celery_singleton_lock.lock import Holder, Lock, check_ttl, redact_url, slot_safe
+from celery_singleton_lock.server import LockServer
 from celery_singleton_lock.testing import Monitor, RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,7 +34,9 @@ pytestmark = pytest.mark.timeout(60)
 DB = 2  # the locks' database in the fixtures' layout
 HANDSHAKE = {"info", "client", "client|setinfo", "client|setname", "hello", "select", "ping", "echo", "monitor"}
 # INFO commandstats also counts what scripts call inside; MONITOR (testing.Monitor) is what tells them apart
-SCRIPT_INTERNAL = {"get", "set", "del", "pexpire", "pttl", "hget", "hmget", "hset", "time"}
+SCRIPT_INTERNAL = {
+    "get", "set", "del", "pexpire", "pttl", "hget", "hmget", "hset", "time", "exists", "hexists", "zscore",
+}
 
 
 def new_name() -> str:
@@ -79,18 +82,19 @@ def test_acquire_holds_and_tells_who_holds(any_redis):
     assert len(lock.token) == 32 and int(lock.token, 16) >= 0  # 128 random bits in hex
     assert lock.fencing_token > 0 and lock.owner_id == "task-1" and lock.ttl == 10.0
 
-    # the value itself: "<token> <json metadata>", readable by an operator
+    # the value itself: "<token> <fence> <json metadata>", readable by an operator
     raw = any_redis.client(DB).get(lock.key).decode()
-    token, _, meta = raw.partition(" ")
-    assert token == lock.token
+    token, fence, meta = raw.split(" ", 2)
+    assert token == lock.token and int(fence) == lock.fencing_token
+    assert abs(lock.fencing_token / 1e6 - time.time()) < 300  # the server clock in microseconds
     meta = json.loads(meta)
-    assert meta["owner"] == "task-1" and meta["host"] == socket.gethostname() and meta["pid"] == os.getpid()
-    assert abs(meta["acquired_at"] - time.time()) < 300
+    assert meta == {"owner": "task-1", "host": socket.gethostname(), "pid": os.getpid()}
 
     held = server.holder(name)
     assert isinstance(held, Holder)
     assert (held.key, held.owner_id, held.host, held.pid) == (lock.key, "task-1", socket.gethostname(), os.getpid())
-    assert 0 < held.ttl_ms <= 10_000 and held.raw == raw
+    assert 0 < held.ttl_ms <= 10_000 and held.raw == raw and held.fencing_token == lock.fencing_token
+    assert not held.reserved and not held.queued
 
     # a contender is told the same, in the same round trip, and gets no lock
     other = LockServer.from_url(any_redis.url(DB)).acquire(name, 10, owner_id="task-2")
@@ -99,11 +103,12 @@ def test_acquire_holds_and_tells_who_holds(any_redis):
     assert server.holder(name) is None
 
 
-def test_lock_and_state_share_a_cluster_slot(any_redis):
+def test_lock_and_its_line_share_a_cluster_slot(any_redis):
     server = server_for(any_redis)
     for name in (new_name(), "csl:shop.deduct:{0123abcd}", "a{b}c"):
         lock = server.acquire(name, 5)
-        assert key_slot(lock.key.encode()) == key_slot((lock.key + ":state").encode())
+        for suffix in (":q", ":w", ":d", ":wake:0123"):
+            assert key_slot(lock.key.encode()) == key_slot((lock.key + suffix).encode())
         assert server.release(lock)
     assert slot_safe("csl:t:{abc}") == "csl:t:{abc}"  # an existing tag is kept
     assert slot_safe("x{}y") == "{x{}y}"
@@ -118,7 +123,7 @@ def test_handle_loss_bookkeeping(redis_server):
     assert lock.mark_lost("again") is False
     with pytest.raises(LockLost, match="expired"):
         lock.ensure()
-    assert lock.release() is True
+    assert lock.release()
 
 
 # -- mutual exclusion ---------------------------------------------------------
@@ -260,26 +265,27 @@ def test_release_by_non_owner_is_refused(any_redis):
     lock = server.acquire(new_name(), 10)
     value = any_redis.client(DB).get(lock.key)
     intruder = other_token(lock)
-    assert server.release(intruder) is False
-    assert server.release(intruder, finished=True) is False
+    assert server.release(intruder).status == -1
+    assert server.release(intruder, succeeded=True, remember=60).status == -1
     assert any_redis.client(DB).get(lock.key) == value  # untouched
     assert 0 < any_redis.client(DB).pttl(lock.key) <= 10_000
-    assert server.release(lock) is True
+    assert not any_redis.client(DB).exists(lock.key + ":d")  # and nothing remembered
+    assert server.release(lock).status == 1
 
 
 def test_release_is_idempotent_and_never_frees_a_later_holder(any_redis):
     server = server_for(any_redis)
     name = new_name()
     first = server.acquire(name, 10)
-    assert server.release(first) is True
-    assert server.release(first) is False
-    assert server.release(first) is False
+    assert server.release(first).status == 1
+    assert server.release(first).status == 0  # gone already
+    assert server.release(first).status == 0
     second = server.acquire(name, 10)
     assert isinstance(second, Lock)
-    assert server.release(first) is False  # the old handle cannot free the new holder
+    assert server.release(first).status == -1  # the old handle cannot free the new holder
     assert server.renew(first) is False
     assert server.holder(name).raw.startswith(second.token + " ")
-    assert server.release(second) is True
+    assert server.release(second)
 
 
 def test_renew_by_non_owner_is_refused(any_redis):
@@ -322,7 +328,7 @@ def test_reacquire_with_own_token_gets_the_lock_back(any_redis):
     assert again.fencing_token == lock.fencing_token
     assert 5_000 < any_redis.client(DB).pttl(lock.key) <= 30_000
     assert isinstance(server.acquire(name, 5), Holder)  # any other token is still refused
-    assert server.release(again) is True and server.release(lock) is False
+    assert server.release(again) and not server.release(lock)
 
 
 # -- expiry ---------------------------------------------------------------------
@@ -346,9 +352,9 @@ def test_expired_lock_is_free_again(any_redis):
 
     new = wait_until(taken, 10, what="the expired lock to be free")
     assert new.token != old.token and new.fencing_token > old.fencing_token
-    assert server.renew(old) is False and server.release(old) is False  # the old holder cannot touch it
+    assert server.renew(old) is False and not server.release(old)  # the old holder cannot touch it
     assert server.holder(name).raw.startswith(new.token + " ")
-    assert server.release(new) is True
+    assert server.release(new)
 
 
 # -- fencing tokens -----------------------------------------------------------------
@@ -370,29 +376,31 @@ def test_fencing_tokens_increase_across_holders(any_redis):
     assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), fences
 
 
-def test_fencing_tokens_increase_across_state_deletion_expiry_and_script_flush(any_redis):
+def test_fencing_tokens_increase_across_done_records_and_script_flush(any_redis):
+    """Tokens come from the server clock: they rise whether or not a done record sits beside the
+    lock (acks_late tasks leave one, early-ack tasks nothing), and after SCRIPT FLUSH."""
     c = any_redis.client(DB)
-    server = LockServer(c, state_ttl=0.05)
+    server = LockServer(c)
     name = new_name()
-    state = slot_safe(name) + ":state"
     fences = []
 
-    def take_and_release():
-        lock = server.acquire(name, 5)
+    def take_and_release(remember: float = 0.0):
+        lock = server.acquire(name, 5, owner_id=f"task-{len(fences)}")
         assert isinstance(lock, Lock)
         fences.append(lock.fencing_token)
-        assert server.release(lock)
+        assert server.release(lock, succeeded=True, remember=remember)
 
     take_and_release()
+    take_and_release(remember=60)
+    assert c.exists(slot_safe(name) + ":d")
     take_and_release()
-    assert c.delete(state) == 1  # deleted (or evicted)
-    take_and_release()
-    wait_until(lambda: not c.exists(state), 10, what="the state hash to expire")
+    take_and_release(remember=0.05)
+    wait_until(lambda: not c.exists(slot_safe(name) + ":d"), 10, what="the done record to expire")
     take_and_release()
     c.script_flush()
     take_and_release()
     take_and_release()
-    assert len(fences) == 6
+    assert len(fences) == 7
     assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), fences
 
 
@@ -405,48 +413,48 @@ def test_fencing_tokens_increase_across_restart(fresh_redis):
     assert isinstance(second, Lock) and second.fencing_token > first.fencing_token
 
 
-def test_state_key_has_a_ttl(any_redis):
+def test_a_release_leaves_nothing_behind_unless_asked_to_remember(any_redis):
+    """Early-ack tasks: after the release the lock Redis holds nothing for the key. A success
+    remembered for a redelivery window leaves one small record that expires with the window."""
     c = any_redis.client(DB)
-    server = LockServer(c, state_ttl=60)
-    lock = server.acquire(new_name(), 5, owner_id="task-9")
-    state = lock.key + ":state"
-    assert 0 < c.pttl(state) <= 60_000
-    assert server.release(lock, finished=True)
-    assert 0 < c.pttl(state) <= 60_000
-    assert c.hget(state, "done") == b"task-9"
-    assert c.pttl(lock.key) == -2
-
-
-def test_state_key_never_immortal_even_if_it_expired_while_held(any_redis):
-    """A lock held longer than state_ttl: its release must not leave a state key without a TTL."""
-    c = any_redis.client(DB)
-    short, normal = LockServer(c, state_ttl=0.05), LockServer(c, state_ttl=60)
+    server = server_for(any_redis)
     name = new_name()
-    lock = short.acquire(name, 30, owner_id="task-7")
-    state = lock.key + ":state"
-    wait_until(lambda: not c.exists(state), 10, what="the state hash to expire")
-    assert normal.release(lock, finished=True)
-    assert 0 < c.pttl(state) <= 60_000, "state hash left without a TTL"
-    # what release remembered still works: the finished owner is told so
-    assert normal.acquire(name, 5, owner_id="task-7") is None
+    before = c.dbsize()
+    lock = server.acquire(name, 5, owner_id="task-1")
+    assert server.release(lock, succeeded=True)
+    assert c.dbsize() == before
+    lock = server.acquire(name, 5, owner_id="task-2")
+    assert server.release(lock, succeeded=False, remember=60)  # only successes are remembered
+    assert c.dbsize() == before
+    lock = server.acquire(name, 5, owner_id="task-3")
+    assert server.release(lock, succeeded=True, remember=60)
+    done = lock.key + ":d"
+    assert c.zrange(done, 0, -1) == [b"task-3"] and 0 < c.pttl(done) <= 60_000
+    assert c.dbsize() == before + 1
 
 
-def test_reacquire_after_state_expired_still_has_a_fence(any_redis):
+def test_a_done_record_drops_only_redeliveries_of_that_owner_until_its_window_ends(any_redis):
     c = any_redis.client(DB)
-    short, server = LockServer(c, state_ttl=0.05), LockServer(c, state_ttl=60)
+    server = server_for(any_redis)
     name = new_name()
-    lock = short.acquire(name, 30)
-    wait_until(lambda: not c.exists(lock.key + ":state"), 10, what="the state hash to expire")
-    again = server.acquire(name, 30, token=lock.token)
-    assert isinstance(again, Lock) and again.token == lock.token
-    assert again.fencing_token >= lock.fencing_token > 0
-    assert 0 < c.pttl(lock.key + ":state") <= 60_000
-    after = server.acquire(name, 30, token=lock.token)
-    assert after.fencing_token == again.fencing_token  # stable from then on
-    assert server.release(lock)
-    nxt = server.acquire(name, 5)
-    assert nxt.fencing_token > again.fencing_token
-    assert server.release(nxt)
+    for owner in ("task-a", "task-b"):  # a then b succeed: the record is per owner, not "the last one"
+        lock = server.acquire(name, 5, owner_id=owner)
+        assert server.release(lock, succeeded=True, remember=0.5)
+    from celery_singleton_lock.lock import Verdict
+
+    assert server.acquire(name, 5, owner_id="task-a", check_done=True) is Verdict.ALREADY_SUCCEEDED
+    assert server.acquire(name, 5, owner_id="task-b", check_done=True) is Verdict.ALREADY_SUCCEEDED
+    # while another holds the key, a redelivery of a finished owner is still told so
+    other = server.acquire(name, 5, owner_id="task-c")
+    assert isinstance(other, Lock)
+    assert server.acquire(name, 5, owner_id="task-a", check_done=True) is Verdict.ALREADY_SUCCEEDED
+    assert isinstance(server.acquire(name, 5, owner_id="task-a"), Holder)  # a fresh delivery is not checked
+    assert server.release(other)
+    fresh = server.acquire(name, 5, owner_id="task-a")  # a fresh delivery of that id runs
+    assert isinstance(fresh, Lock) and server.release(fresh)
+    wait_until(lambda: not c.exists(slot_safe(name) + ":d"), 10, what="the window to end")
+    again = server.acquire(name, 5, owner_id="task-a", check_done=True)
+    assert isinstance(again, Lock) and server.release(again)
 
 
 # -- scripts survive SCRIPT FLUSH and a restart --------------------------------------
@@ -465,7 +473,7 @@ def test_every_operation_survives_script_flush(any_redis):
     c.script_flush()
     assert server.renew_many([lock, other_token(lock)]) == [True, False]
     c.script_flush()
-    assert server.release(lock) is True
+    assert server.release(lock)
     c.script_flush()
     with Monitor(any_redis) as mon:
         lock = server.acquire(name, 10)
@@ -484,7 +492,7 @@ def test_every_operation_survives_a_restart(fresh_redis):
     fresh_redis.restart()  # no persistence: the lock and the scripts are gone
     assert server.renew(lock) is False
     assert server.renew_many([lock]) == [False]
-    assert server.release(lock) is False
+    assert server.release(lock).status == 0
     fresh_redis.restart()
     again = server.acquire(name, 30)
     assert isinstance(again, Lock)
@@ -492,7 +500,7 @@ def test_every_operation_survives_a_restart(fresh_redis):
     assert server.renew_many([again]) == [False]
     again = server.acquire(name, 30)
     assert server.renew(again) is True
-    assert server.release(again) is True
+    assert server.release(again)
 
 
 # -- round trips per operation ---------------------------------------------------------
@@ -522,9 +530,9 @@ def test_one_command_per_operation(any_redis):
         ops["release"] = mon.commands()
     for op, cmds in ops.items():
         assert [cmd[0] for cmd in cmds] == ["EVALSHA"], (op, cmds)
-    acquire = ops["acquire"][0]
-    assert acquire[2:5] == ["2", lock.key, lock.key + ":state"]  # both keys declared: cluster-safe
-    assert ops["release"][0][2:5] == ["2", lock.key, lock.key + ":state"]
+    every_key = ["4", lock.key, lock.key + ":q", lock.key + ":w", lock.key + ":d"]  # declared: cluster-safe
+    assert ops["acquire"][0][2:7] == every_key
+    assert ops["release"][0][2:7] == every_key
     assert ops["renew"][0][2:5] == ["1", lock.key, lock.token + " "]
 
 
@@ -553,25 +561,17 @@ def test_renew_many_of_1000_locks_is_one_pipelined_round_trip(any_redis, monkeyp
     for lock in locks:
         lock.ttl = 7  # renewing must SET this ttl, well below what is left
 
-    pipelines, executes = [], []
-    real_pipeline = server.client.pipeline
+    writes = []
+    conn = server._held_conn()
+    real_send = conn.send_packed_command
 
-    def spy_pipeline(*args, **kwargs):
-        pipe = real_pipeline(*args, **kwargs)
-        pipelines.append(pipe)
-        real_execute = pipe.execute
+    def spy_send(command, *args, **kwargs):
+        writes.append(len(command))
+        return real_send(command, *args, **kwargs)
 
-        def execute(*a, **k):
-            executes.append(len(pipe.command_stack))
-            return real_execute(*a, **k)
-
-        pipe.execute = execute
-        return pipe
-
-    monkeypatch.setattr(server.client, "pipeline", spy_pipeline)
+    monkeypatch.setattr(conn, "send_packed_command", spy_send)
     for chunk in (500, 1000, 64):
-        pipelines.clear()
-        executes.clear()
+        writes.clear()
         before = counted(any_redis)
         with Monitor(any_redis) as mon:
             sent = time.monotonic()
@@ -580,7 +580,7 @@ def test_renew_many_of_1000_locks_is_one_pipelined_round_trip(any_redis, monkeyp
             cmds = mon.commands()
         assert results == [True] * 1000
         expected = math.ceil(1000 / chunk)
-        assert len(pipelines) == 1 and executes == [expected], (chunk, executes)  # one round trip
+        assert writes == [1], (chunk, writes)  # every chunk in one write: one round trip
         assert [cmd[0] for cmd in cmds] == ["EVALSHA"] * expected, chunk
         assert stats_diff(before, counted(any_redis)) == {"evalsha": expected}
         renewed = []
@@ -634,8 +634,6 @@ def test_bad_ttl_raises_value_error_naming_it_before_any_io(ttl):
     with pytest.raises(ValueError) as info:
         server.acquire(new_name(), ttl)
     assert repr(ttl) in str(info.value) and "ttl" in str(info.value)
-    with pytest.raises(ValueError, match="state_ttl"):
-        LockServer.from_url("redis://127.0.0.1:1/0", state_ttl=ttl)
 
 
 @pytest.mark.parametrize("auth", ["", ":s3cret@", "alice:s3cret@"])
@@ -685,7 +683,7 @@ def test_release_that_failed_before_sending_keeps_the_token(fresh_redis):
         fresh_redis.resume()
     assert lock.token == token and lock.released is False
     assert server.holder(lock.key).raw.startswith(token + " ")  # still held
-    assert server.release(lock) is True  # the retry frees it
+    assert server.release(lock)  # the retry frees it
     assert fresh_redis.client(DB).exists(lock.key) == 0
 
 
@@ -703,7 +701,7 @@ def test_release_that_timed_out_in_flight_can_be_retried(fresh_redis):
     assert lock.token == token
     # the first attempt may or may not have run once the server woke up; either way the
     # retry does not raise, and once it returns the lock is gone
-    assert server.release(lock) in (True, False)
+    assert server.release(lock).status in (1, 0)
     assert fresh_redis.client(DB).exists(lock.key) == 0
 
 
@@ -715,7 +713,7 @@ def test_ensure_raises_once_a_whole_ttl_passed_unconfirmed(redis_server):
     assert isinstance(lock, Lock)
     lock.ensure()  # fresh: fine
     wait_until(lambda: time.monotonic() >= lock.confirmed_at + lock.ttl, 10, what="the ttl to pass")
-    with pytest.raises(LockLost, match="whole ttl"):
+    with pytest.raises(LockLost, match="not confirmed by its deadline"):
         lock.ensure()
     assert lock.lost
 
@@ -725,9 +723,9 @@ def test_a_foreign_value_under_the_key_is_a_lock_error(redis_server):
     server = LockServer.from_url(redis_server.url(2))
     name = f"foreign-{uuid.uuid4().hex}"
     redis_server.client(2).hset(slot_safe(name), "x", "1")
-    with pytest.raises(LockError, match="refused the lock operation") as info:
+    with pytest.raises(LockError, match="WRONGTYPE") as info:
         server.acquire(name, 5)
-    assert not isinstance(info.value, LockBackendUnavailable)
+    assert isinstance(info.value, LockBackendRefused)  # a refusal: trying again cannot fix it
 
 
 @pytest.mark.parametrize("ttl", [1e300, 10 * 365 * 24 * 3600.0 + 1])

@@ -38,3 +38,39 @@ def test_the_key_is_free_as_soon_as_the_result_is_visible(app, run_worker, redis
             assert work.delay(n).get(timeout=10) == n
             assert locks.exists(work.lock_key_for((n,), {})) == 0
     assert seen_held == [1] * 20  # the body really ran under the lock, every time
+
+
+@pytest.mark.timeout(60)
+def test_footprint_early_ack_leaves_nothing_and_acks_late_only_its_window(redis_server, run_worker):
+    """Nothing is left in the lock Redis once an early-acked task released its key; an acks_late
+    task leaves one done record per task id, and only for singleton_lock_redelivery_window."""
+    import uuid
+
+    from conftest import make_app
+
+    from celery_singleton_lock.testing import wait_until
+
+    app = make_app(redis_server, singleton_lock_redelivery_window=1.0,
+                   singleton_lock_prefix=f"fp{uuid.uuid4().hex[:6]}")
+    locks = redis_server.client(2)
+    prefix = app.conf.singleton_lock_prefix
+
+    @app.task(base=LockedTask, bind=True, shared=False)
+    def early(self, n):
+        return n
+
+    @app.task(base=LockedTask, bind=True, shared=False, acks_late=True)
+    def late(self, n):
+        return n
+
+    def ours() -> list[bytes]:
+        return sorted(locks.scan_iter(f"{prefix}:*"))
+
+    with run_worker(app):
+        assert [early.delay(n).get(timeout=10) for n in range(20)] == list(range(20))
+        assert ours() == []  # early ack: the lock is gone at release, and nothing beside it
+        assert [late.delay(n).get(timeout=10) for n in range(5)] == list(range(5))
+        left = ours()
+        assert len(left) == 5 and all(k.endswith(b":d") for k in left), left  # one done record per key
+        assert all(0 < locks.pttl(k) <= 1000 for k in left)
+        wait_until(lambda: ours() == [], 10, what="the done records to expire with their window")

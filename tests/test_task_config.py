@@ -1,8 +1,8 @@
 """Configuration: options checked when the task binds to its app; option > setting > default;
 the lock URL's fallbacks and its one log line; golden keys at the task level.
 
-No worker here, and never a connection to 127.0.0.1:6379: the fallback URL is only compared
-as a string (building a LockServer does not connect).
+No worker here, and never a connection to 127.0.0.1:6379: lock URLs are only compared as
+strings (building a LockServer does not connect), and no Redis configured is an error.
 """
 
 from __future__ import annotations
@@ -212,12 +212,20 @@ def test_bad_setting_fails_the_execution_not_the_worker(redis_server):
     ({"result_backend": "rpc://", "broker_url": "redis://b:6391/0"}, "redis://b:6391/0"),
     ({"result_backend": "db+sqlite:///r.db", "broker_url": "redis://:pw@b:6391/3"}, "redis://:pw@b:6391/3"),
     ({"broker_url": "redis://b:6391/0"}, "redis://b:6391/0"),
-    ({"result_backend": "rpc://", "broker_url": "amqp://guest:guest@rabbit//"}, "redis://localhost:6379/0"),
-    ({}, "redis://localhost:6379/0"),
 ])
 def test_lock_url_fallbacks(conf, expected):
     app = bare_app(**conf)
     assert cfg.lock_url(app.conf) == expected
+
+
+@pytest.mark.parametrize("conf", [
+    {"result_backend": "rpc://", "broker_url": "amqp://guest:guest@rabbit//"},
+    {},
+])
+def test_lock_url_without_any_redis_is_an_error_not_localhost(conf):
+    """A per-host localhost Redis would exclude nothing across hosts (more in test_urls.py)."""
+    with pytest.raises(ValueError, match="set singleton_lock_url"):
+        cfg.lock_url(bare_app(**conf).conf)
 
 
 def test_lock_url_is_logged_once_per_process_without_password(caplog):
@@ -250,7 +258,7 @@ def test_lock_url_is_logged_once_per_process_without_password(caplog):
 
 @pytest.fixture
 def golden_app():
-    app = bare_app()
+    app = bare_app(singleton_lock_url="redis://127.0.0.1:1/2")  # never connected: keys need settings, not Redis
 
     @app.task(base=LockedTask, shared=False, bind=True, name="golden.deduct")
     def deduct(self, sku, qty=1, note=None):

@@ -4,8 +4,8 @@
 * hard time limit / kill -9 of the pool child: nothing runs in the child any more, so the
   watchdog stops with it and the key expires within lock_ttl; the main process's
   on_failure (empty request) crashes nothing; the worker goes on.
-* the whole worker killed while holding: a redelivery of the holder's task id waits for
-  the dead holder's lock to expire, then runs once.
+* the whole worker killed while holding: a redelivery of the holder's task id waits in line
+  for the dead holder's lock to expire, then the sweeper hands it the key and it runs once.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from _task_support import (
     TIMEOUT,
     collect_results,  # noqa: F401 - autouse: gc while Redis runs
     load_worker_app,
+    redeliver,
     start_worker_process,
 )
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
@@ -141,8 +142,9 @@ def errors_raised_in_our_code(log: str) -> list[str]:
 
 
 def test_redelivery_after_the_whole_worker_died_runs_once_the_lock_expired(crash_env, redis_server):
-    """kill -9 of the holder's whole worker; a copy with the holder's task id arrives at another
-    worker at once: it is deferred while the dead holder's lock lives, then runs, once."""
+    """kill -9 of the holder's whole worker; the broker redelivers its message to another worker at
+    once: the copy waits first in line while the dead holder's lock lives, then the sweeper hands it
+    the key and it runs, once."""
     wa, w, queue, logdir = crash_env
     k = f"dead-{uuid.uuid4().hex[:8]}"
     key = wa.journaled.lock_key_for((k,), {})
@@ -152,9 +154,10 @@ def test_redelivery_after_the_whole_worker_died_runs_once_the_lock_expired(crash
         redis_server, logdir, pool="prefork", concurrency=1,
         env={"CSL_LOCK_TTL": str(LOCK_TTL)}, extra=("-Q", dead_queue), name="doomed",
     )
+    args = (k, 1.0, "holder")
     try:
         doomed.wait_ready(60)
-        holder = wa.journaled.apply_async((k, 60.0, "holder"), queue=dead_queue)
+        holder = wa.journaled.apply_async(args, queue=dead_queue)
         [start] = started(wa, k)
         assert start["id"] == holder.id
         doomed.kill()  # SIGKILL, main process and its child, by PID
@@ -163,11 +166,12 @@ def test_redelivery_after_the_whole_worker_died_runs_once_the_lock_expired(crash
     pttl = locks.pttl(key)
     assert 0 < pttl <= LOCK_TTL * 1000
     expires_at = time.time() + pttl / 1000
-    copy = wa.journaled.apply_async((k, 0.0, "copy"), task_id=holder.id, queue=queue)
-    assert copy.get(timeout=TIMEOUT + LOCK_TTL)["tag"] == "copy"
-    starts = [e for e in journal(wa, k) if e["event"] == "start"]
-    assert [e["tag"] for e in starts] == ["holder", "copy"]  # ran once more, not twice
+    redeliver(redis_server.client(0), wa.journaled, args, holder.id, queue)
+    wait_until(lambda: "redelivered copy of the running task" in w.log(), TIMEOUT, what="the copy to wait")
+    starts = [e for e in started(wa, k, count=2) if e["event"] == "start"]
+    assert [e["id"] for e in starts] == [holder.id, holder.id]  # ran once more, not twice
     assert starts[1]["at"] >= expires_at - 0.25  # only after the dead holder's lock expired
+    assert starts[1]["at"] <= expires_at + 5  # handed the key by a sweeper soon after
     assert starts[1]["fence"] > starts[0]["fence"]
-    assert "is being redelivered while its first run still holds lock" in w.log()
-    wait_until(lambda: not locks.exists(key), 15, what="the copy's release")
+    wait_until(lambda: not locks.exists(key, key + ":q", key + ":w"), 15, what="the copy's release")
+    assert len([e for e in journal(wa, k) if e["event"] == "start"]) == 2

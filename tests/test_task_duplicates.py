@@ -1,5 +1,6 @@
-"""Duplicates never run beside their holder: skip (REVOKED at once), retry (runs after,
-on a budget of its own), raise (FAILURE with DuplicateTask).
+"""Duplicates never run beside their holder: skip (REVOKED at once), retry (waits in the key's
+line and is handed the key in turn), backoff (re-sent with back-off, on a budget of its own),
+raise (FAILURE with DuplicateTask).
 
 In-process workers on the threads pool (one worker, 4 threads) and the solo pool (two
 workers), where a gate decides when the holder ends; then real prefork subprocesses,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import uuid
 
 import pytest
@@ -27,7 +29,7 @@ from _task_support import (
 from celery.exceptions import TaskRevokedError
 from conftest import make_app
 
-from celery_singleton_lock import DuplicateTask, LockContended
+from celery_singleton_lock import DuplicateTask, LockContended, LockWaitTimeout
 from celery_singleton_lock.testing import wait_until
 
 pytestmark = pytest.mark.timeout(150)
@@ -63,9 +65,10 @@ def env(request, redis_server):
     # a big contention budget where the test decides when the holder ends (a slow machine must
     # not spend it); a small one where spending it is the point
     e.skip, e.raise_ = make("skip", "skip"), make("raise", "raise")
-    e.retry = make("retry", "retry", lock_max_retries=10_000)
-    e.retry_budget = make("retry_budget", "retry", lock_max_retries=2)
-    e.retry_no_own_retries = make("retry_no_own", "retry", max_retries=0, lock_max_retries=10_000)
+    e.retry = make("retry", "retry")
+    e.retry_short_wait = make("retry_short_wait", "retry", lock_max_wait=1.0)
+    e.backoff_budget = make("backoff_budget", "backoff", lock_max_retries=2)
+    e.backoff_no_own_retries = make("backoff_no_own", "backoff", max_retries=0, lock_max_retries=10_000)
     with start_worker(app, pool=e.pool, concurrency=4 if e.pool == "threads" else 1, perform_ping_check=False,
                       loglevel="WARNING", shutdown_timeout=30):
         try:
@@ -150,47 +153,76 @@ def test_raise_fails_with_duplicate_task(env, rec):
     assert [r.task_id for r in env.runs.of(k)] == [holder.id]
 
 
-def test_retry_runs_after_the_holder_never_beside(env, rec):
+def test_retry_waits_in_line_and_runs_in_turn_after_the_holder(env, rec):
+    """"retry": each duplicate parks in the key's line (state WAITING, no worker slot held, no
+    re-sends) and is handed the key in the order it came, right after the holder."""
     k = f"retry-{uuid.uuid4().hex[:8]}"
+    key = env.retry.lock_key_for((k, "x"), {})
     holder = start_holder(env, env.retry, k)
-    dups = [env.retry.delay(k, f"dup{i}") for i in range(3)]
-    for dup in dups:  # each met the held lock and was re-queued, while the holder runs
-        wait_until(lambda dup=dup: rec.of("duplicate", dup.id), TIMEOUT, what="a contention retry")
-    assert wait_until(lambda: dups[0].state == "RETRY" and "RETRY", TIMEOUT)
+    dups = []
+    for i in range(3):  # one at a time, so the order they found the key held is known
+        dups.append(env.retry.delay(k, f"dup{i}"))
+        rec.wait("duplicate", dups[-1].id)
+    for i, dup in enumerate(dups):
+        assert dup.state == "WAITING" and not dup.ready()
+        assert dup.info == {"key": key, "place": i + 1, "holder": holder.id}
     assert not holder.ready() and len(env.runs.of(k)) == 1
+    assert env.retry.app.backend.get_task_meta(holder.id)["status"] != "WAITING"
     env.gates.open(k)
     assert holder.get(timeout=TIMEOUT) == "holder"
-    assert sorted(d.get(timeout=TIMEOUT) for d in dups) == ["dup0", "dup1", "dup2"]
-    runs = env.runs.of(k)
-    assert len(runs) == 4 and {r.task_id for r in runs} == {holder.id, *(d.id for d in dups)}
+    assert [d.get(timeout=TIMEOUT) for d in dups] == ["dup0", "dup1", "dup2"]
+    runs = sorted(env.runs.of(k), key=lambda r: r.start)
+    assert [r.task_id for r in runs] == [holder.id, *(d.id for d in dups)]  # first come, first served
     assert_no_overlap([(r.start, r.end) for r in runs])
-    assert all(r.info["retries"] == 0 for r in runs)  # contention retries are not the task's own
-    assert all(e.data["policy"] == "retry" and e.data["holder"] for e in rec.of("duplicate"))
+    assert all(r.info["retries"] == 0 for r in runs)  # waiting is not the task's own retry
+    for dup in dups:  # one park each: no polling
+        [event] = rec.of("duplicate", dup.id)
+        assert event.data == {"holder": holder.id, "policy": "retry"}
+    wait_until(lambda: not env.locks.exists(key, key + ":q", key + ":w"), TIMEOUT, what="nothing left")
 
 
-def test_retry_budget_exhausted_fails_with_lock_contended(env, rec):
-    k = f"budget-{uuid.uuid4().hex[:8]}"
-    key = env.retry_budget.lock_key_for((k, "x"), {})
-    holder = start_holder(env, env.retry_budget, k)
-    dup = env.retry_budget.delay(k, "dup")
-    with pytest.raises(LockContended) as info:
-        dup.get(timeout=TIMEOUT)
-    assert dup.state == "FAILURE"
-    assert info.value.key == key and info.value.holder_task_id == holder.id
-    assert info.value.attempts == 3  # the first try and lock_max_retries=2 re-queues
-    assert len(rec.of("duplicate", dup.id)) == 3
+def test_a_line_that_does_not_move_ends_in_lock_wait_timeout(env, rec):
+    """lock_max_wait bounds a wait: past it the waiter FAILS with LockWaitTimeout (never a silent
+    PENDING or WAITING), and the holder is untouched."""
+    k = f"stuck-{uuid.uuid4().hex[:8]}"
+    key = env.retry_short_wait.lock_key_for((k, "x"), {})
+    holder = start_holder(env, env.retry_short_wait, k)
+    dup = env.retry_short_wait.delay(k, "dup")
+    rec.wait("duplicate", dup.id)
+    assert dup.state == "WAITING"
+    with pytest.raises(LockWaitTimeout) as info:
+        dup.get(timeout=TIMEOUT)  # the sweeper times it out once its second in line is over
+    assert dup.state == "FAILURE" and info.value.key == key and info.value.max_wait == 1.0
     assert not holder.ready()
     env.gates.open(k)
     assert holder.get(timeout=TIMEOUT) == "holder"
     assert [r.task_id for r in env.runs.of(k)] == [holder.id]
 
 
-def test_contention_retries_do_not_eat_max_retries(env, rec):
-    """max_retries=0: the task may never self.retry(), yet it gets its lock-contention retries."""
+def test_backoff_budget_exhausted_fails_with_lock_contended(env, rec):
+    k = f"budget-{uuid.uuid4().hex[:8]}"
+    key = env.backoff_budget.lock_key_for((k, "x"), {})
+    holder = start_holder(env, env.backoff_budget, k)
+    dup = env.backoff_budget.delay(k, "dup")
+    with pytest.raises(LockContended) as info:
+        dup.get(timeout=TIMEOUT)
+    assert dup.state == "FAILURE"
+    assert info.value.key == key and info.value.holder_task_id == holder.id
+    assert info.value.attempts == 3  # the first try and lock_max_retries=2 re-sends
+    assert [e.data["policy"] for e in rec.of("duplicate", dup.id)] == ["backoff"] * 3
+    assert not holder.ready()
+    env.gates.open(k)
+    assert holder.get(timeout=TIMEOUT) == "holder"
+    assert [r.task_id for r in env.runs.of(k)] == [holder.id]
+
+
+def test_backoff_re_sends_do_not_eat_max_retries(env, rec):
+    """max_retries=0: the task may never self.retry(), yet it gets its back-off re-sends."""
     k = f"own-{uuid.uuid4().hex[:8]}"
-    holder = start_holder(env, env.retry_no_own_retries, k)
-    dup = env.retry_no_own_retries.delay(k, "dup")
-    wait_until(lambda: len(rec.of("duplicate", dup.id)) >= 2, TIMEOUT, what="two contention retries")
+    holder = start_holder(env, env.backoff_no_own_retries, k)
+    dup = env.backoff_no_own_retries.delay(k, "dup")
+    wait_until(lambda: len(rec.of("duplicate", dup.id)) >= 2, TIMEOUT, what="two back-off re-sends")
+    assert dup.state == "RETRY"
     env.gates.open(k)
     assert holder.get(timeout=TIMEOUT) == "holder"
     assert dup.get(timeout=TIMEOUT) == "dup"
@@ -266,14 +298,15 @@ def test_prefork_skip_and_raise(prefork, redis_server, policy):
 # -- eager runs meet a holder too ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["skip", "raise", "retry"])
+@pytest.mark.parametrize("policy", ["skip", "raise", "retry", "backoff"])
 def test_eager_duplicate_policies(app, redis_server, policy):
     """apply() locks as well: against a held key, skip ends IGNORED (nothing to revoke in eager
-    mode), raise fails with DuplicateTask, retry waits in place and fails with LockContended once
-    lock_max_retries is spent."""
+    mode), raise fails with DuplicateTask, retry waits in line in place and fails with
+    LockWaitTimeout once lock_max_wait is spent, backoff waits in place and fails with
+    LockContended once lock_max_retries is spent."""
     ran = []
 
-    @locked(app, lock_key=["k"], on_duplicate=policy, lock_max_retries=2)
+    @locked(app, lock_key=["k"], on_duplicate=policy, lock_max_retries=2, lock_max_wait=0.5)
     def eager_dup(self, k):
         ran.append(k)
         return k
@@ -281,7 +314,7 @@ def test_eager_duplicate_policies(app, redis_server, policy):
     k = f"eager-{uuid.uuid4().hex[:8]}"
     key = eager_dup.lock_key_for((k,), {})
     locks = redis_server.client(2)
-    locks.set(key, "e" * 32 + ' {"owner":"the-holder"}', px=60_000)  # someone holds it
+    locks.set(key, "e" * 32 + ' 1 {"owner":"the-holder"}', px=60_000)  # someone holds it
     try:
         with Recorder(app) as rec:
             result = eager_dup.apply((k,))
@@ -291,11 +324,46 @@ def test_eager_duplicate_policies(app, redis_server, policy):
         elif policy == "raise":
             assert result.state == "FAILURE" and isinstance(result.result, DuplicateTask)
             assert (result.result.key, result.result.holder_task_id) == (key, "the-holder")
+        elif policy == "retry":
+            assert result.state == "FAILURE" and isinstance(result.result, LockWaitTimeout)
+            assert result.result.key == key
+            assert not locks.exists(key + ":q", key + ":w")  # it left the line
         else:
             assert result.state == "FAILURE" and isinstance(result.result, LockContended)
             assert (result.result.key, result.result.holder_task_id, result.result.attempts) == (key, "the-holder", 3)
-        assert len(rec.of("duplicate")) == (3 if policy == "retry" else 1)
+        assert len(rec.of("duplicate")) == (3 if policy == "backoff" else 0 if policy == "retry" else 1)
         assert locks.get(key).startswith(b"e" * 32)  # the holder's lock is untouched
     finally:
         locks.delete(key)
     assert eager_dup.apply((k,)).get() == k  # once free, it runs
+
+
+def test_eager_retry_is_handed_the_key_by_the_release(app, redis_server):
+    """An eager "retry" duplicate blocks in line and is woken by the holder's release, not by polling."""
+    gate, started = threading.Event(), threading.Event()
+    ran = []
+
+    @locked(app, lock_key=["k"], on_duplicate="retry", lock_max_wait=30)
+    def eager_line(self, k, tag):
+        ran.append((tag, time.monotonic()))
+        if tag == "holder":
+            started.set()
+            assert gate.wait(TIMEOUT)
+        return tag
+
+    k = f"eager-line-{uuid.uuid4().hex[:8]}"
+    holder = threading.Thread(target=lambda: eager_line.apply((k, "holder")), daemon=True)
+    holder.start()
+    assert started.wait(TIMEOUT)
+    waiter = {}
+    t = threading.Thread(target=lambda: waiter.setdefault("r", eager_line.apply((k, "waiter"))), daemon=True)
+    t.start()
+    key = eager_line.lock_key_for((k, "x"), {})
+    wait_until(lambda: redis_server.client(2).llen(key + ":q") == 1, TIMEOUT, what="the waiter to park")
+    released_at = time.monotonic()
+    gate.set()
+    t.join(TIMEOUT)
+    holder.join(TIMEOUT)
+    assert waiter["r"].get() == "waiter"
+    assert [tag for tag, _ in ran] == ["holder", "waiter"]
+    assert ran[1][1] - released_at < 2.0  # woken by the release (the holder's ttl is 30 s)

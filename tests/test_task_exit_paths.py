@@ -70,7 +70,7 @@ def env(request, redis_server):
                 raise Reject("rejected", requeue=False)
             if mode == "takeover":
                 # someone else's token took the key meanwhile (as after an expiry)
-                e.locks.set(self.lock.key, "0" * 32 + ' {"owner":"intruder"}', px=60_000)
+                e.locks.set(self.lock.key, "0" * 32 + ' 1 {"owner":"intruder"}', px=60_000)
                 return "taken over"
             raise AssertionError(mode)
         finally:
@@ -285,7 +285,7 @@ def test_skip_logs_at_info(env, rec, caplog):
     k = fresh_key()
     key = env.path.lock_key_for((k,), {})
     # a foreign holder, so the duplicate is skipped without a second worker slot
-    env.locks.set(key, "f" * 32 + ' {"owner":"holder-123"}', px=60_000)
+    env.locks.set(key, "f" * 32 + ' 1 {"owner":"holder-123"}', px=60_000)
     try:
         result = env.path.delay(k, "ok")
         rec.wait("postrun", result.id)

@@ -1,7 +1,16 @@
-"""A delivery whose task id equals the holder's is a redelivery of the running task, not a
-duplicate: it never runs beside the holder, never touches the holder's result, and is not
-lost. (The whole-worker-killed case is in test_task_crash.py; self.retry() racing its own
-release is in test_task_exit_paths.py.)
+"""Identity before policy: a delivery of a task id that ran before is not somebody's duplicate.
+
+Every redelivery here is a REAL one: the message goes through kombu's own restore of unacked
+messages (``_task_support.redeliver``), so the worker sees ``delivery_info["redelivered"]``.
+
+* a redelivery of the running task waits first in line: dropped if the holder succeeds, run
+  after it if the holder fails; it never runs beside it, never touches its state, and is
+  delivered once (no re-send loop);
+* a redelivery of a task id that already succeeded here (acks_late) is dropped, whoever holds
+  the key now, under every policy, without touching its stored result;
+* a redelivery of a task that did not succeed, and the task's own retry, wait their turn,
+  even under "skip";
+* a fresh message or an eager run that reuses a finished task id is new work: it runs.
 
 In-process threads worker with ``task_track_started=True``: Celery's tracer stores STARTED
 before ``before_start``, so LockedTask must take that store over, or a redelivery would
@@ -17,12 +26,14 @@ import uuid
 
 import pytest
 from _task_support import (
+    RESTORE_FAST,
     TIMEOUT,
     Gates,
     Recorder,
     Runs,
     collect_results,  # noqa: F401 - autouse: gc while Redis runs
     locked,
+    redeliver,
 )
 from conftest import make_app
 
@@ -39,23 +50,33 @@ class Env:
 def env(redis_server):
     from celery.contrib.testing.worker import start_worker
 
-    app = make_app(redis_server, task_track_started=True, task_default_queue=f"q-{uuid.uuid4().hex[:8]}")
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    app = make_app(redis_server, task_track_started=True, task_default_queue=queue,
+                   broker_transport_options=RESTORE_FAST)
     e = Env()
-    e.app, e.runs, e.gates, e.locks = app, Runs(), Gates(), redis_server.client(2)
+    e.app, e.queue, e.runs, e.gates, e.locks = app, queue, Runs(), Gates(), redis_server.client(2)
+    e.broker = redis_server.client(0)
+    e.failures: dict[str, int] = {}
 
-    @locked(app, lock_key=["k"])
-    def job(self, k, mode="ok"):
-        run = e.runs.begin(k, self.request.id, mode=mode, hostname=self.request.hostname)
+    def body(self, k, mode):
+        run = e.runs.begin(k, self.request.id, mode=mode, hostname=self.request.hostname,
+                           retries=self.request.retries)
         try:
-            if mode == "gate":
+            if mode.startswith("gate"):
                 e.gates.wait(k)
-            if mode == "fail":
+            if mode == "gate-fail-once" and not e.failures.get(k):
+                e.failures[k] = 1
                 raise ValueError("holder failed")
+            if mode == "retry-once" and self.request.retries == 0:
+                raise self.retry(countdown=1.0)
             return f"{mode} by {self.request.id}"
         finally:
             e.runs.end(run)
 
-    e.job = job
+    e.job = locked(app, lock_key=["k"], name="redeliv.job")(body)
+    e.late = locked(app, lock_key=["k"], acks_late=True, name="redeliv.late")(body)
+    e.late_skip = locked(app, lock_key=["k"], acks_late=True, on_duplicate="skip", name="redeliv.late_skip")(body)
+    e.late_raise = locked(app, lock_key=["k"], acks_late=True, on_duplicate="raise", name="redeliv.late_raise")(body)
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, loglevel="WARNING",
                       shutdown_timeout=30):
         try:
@@ -81,9 +102,13 @@ def logged(caplog, *parts):
     return [r.getMessage() for r in caplog.records if all(p in r.getMessage() for p in parts)]
 
 
+def fresh(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
 def test_track_started_is_stored_by_the_holder_only(env, rec):
     """STARTED is still stored (by LockedTask, after the lock is taken), with pid and hostname."""
-    k = f"started-{uuid.uuid4().hex[:8]}"
+    k = fresh("started")
     holder = env.job.delay(k, "gate")
     [run] = env.runs.wait_started(k)
     meta = env.app.backend.get_task_meta(holder.id)
@@ -95,64 +120,141 @@ def test_track_started_is_stored_by_the_holder_only(env, rec):
     assert holder.get(timeout=TIMEOUT) == f"gate by {holder.id}"
 
 
-def test_redelivery_while_holder_runs_waits_and_keeps_its_state(env, rec, info_log):
-    k = f"running-{uuid.uuid4().hex[:8]}"
-    key = env.job.lock_key_for((k,), {})
+def test_redelivery_while_holder_runs_waits_first_and_is_dropped_when_it_succeeds(env, rec, info_log):
+    k = fresh("running")
+    key = env.job.lock_key_for((k, "x"), {})
     holder = env.job.delay(k, "gate")
     env.runs.wait_started(k)
     # mark the holder's STARTED state, to see whether anything writes over it
     marker = {"pid": -1, "hostname": "holder-marker"}
     env.app.backend.store_result(holder.id, marker, "STARTED")
-    copy = env.job.apply_async((k, "gate"), task_id=holder.id)
-    assert copy.id == holder.id
-    # the copy met the running holder, was deferred (re-queued), met it again: never ran
-    events = rec.wait("duplicate", holder.id, count=2)
-    assert all(e.data == {"holder": holder.id, "policy": "redelivery"} and e.key == key for e in events)
-    assert len(env.runs.of(k)) == 1
+    redeliver(env.broker, env.job, (k, "gate"), holder.id, env.queue)
+    [event] = rec.wait("duplicate", holder.id)
+    assert event.data == {"holder": holder.id, "policy": "redelivery"} and event.key == key
+    assert logged(info_log, holder.id, "waits in line", "redelivered copy of the running task")
+    assert env.locks.lrange(key + ":q", 0, -1) and len(env.runs.of(k)) == 1
     meta = env.app.backend.get_task_meta(holder.id)
     assert (meta["status"], meta["result"]) == ("STARTED", marker)
-    assert logged(info_log, holder.id, "is being redelivered", key)
-    # the holder ends well: its own value is the result, and the deferred copy is dropped
     env.gates.open(k)
     assert holder.get(timeout=TIMEOUT) == f"gate by {holder.id}"
-    wait_until(lambda: logged(info_log, holder.id, "redelivery is dropped"), TIMEOUT, what="the copy to be dropped")
+    wait_until(lambda: not env.locks.exists(key, key + ":q", key + ":w"), TIMEOUT, what="the copy to be dropped")
     assert len(env.runs.of(k)) == 1  # the body ran once
-    assert env.app.AsyncResult(holder.id).get(timeout=TIMEOUT) == f"gate by {holder.id}"
     assert env.app.AsyncResult(holder.id).state == "SUCCESS"
-    assert env.locks.exists(key) == 0
     assert len(rec.of("released", holder.id)) == 1
+    assert len(rec.of("duplicate", holder.id)) == 1  # delivered once: no re-send loop
 
 
-def test_redelivery_after_success_is_dropped(env, rec, info_log):
-    k = f"done-{uuid.uuid4().hex[:8]}"
-    holder = env.job.delay(k, "ok")
-    assert holder.get(timeout=TIMEOUT) == f"ok by {holder.id}"
-    rec.wait("released", holder.id)
-    env.job.apply_async((k, "ok"), task_id=holder.id)
-    [event] = rec.wait("duplicate", holder.id)
-    assert event.data["policy"] == "redelivery"
-    wait_until(lambda: logged(info_log, holder.id, "redelivery is dropped"), TIMEOUT, what="the drop")
-    rec.wait("postrun", holder.id, count=2)
-    assert len(env.runs.of(k)) == 1
-    meta = env.app.backend.get_task_meta(holder.id)
-    assert (meta["status"], meta["result"]) == ("SUCCESS", f"ok by {holder.id}")
-    # a new task (new id) with the same key is no redelivery: it runs
-    assert env.job.delay(k, "ok").get(timeout=TIMEOUT).startswith("ok by")
-    assert len(env.runs.of(k)) == 2
-
-
-def test_redelivery_after_failure_runs_again(env, rec):
-    """Only a SUCCESS is final: a copy of a FAILED task id runs (at least once, like Celery's
-    own worker_deduplicate_successful_tasks), after the holder, never beside it."""
-    k = f"failed-{uuid.uuid4().hex[:8]}"
-    holder = env.job.delay(k, "fail")
-    with pytest.raises(ValueError):
-        holder.get(timeout=TIMEOUT)
-    rec.wait("released", holder.id)
-    env.job.apply_async((k, "ok"), task_id=holder.id)
-    # (get() would answer with the stored FAILURE at once: wait for the copy's own end)
+def test_redelivery_while_holder_runs_runs_after_it_when_the_holder_fails(env, rec):
+    k = fresh("holder-fails")
+    holder = env.job.delay(k, "gate-fail-once")
+    env.runs.wait_started(k)
+    redeliver(env.broker, env.job, (k, "gate-fail-once"), holder.id, env.queue)
+    rec.wait("duplicate", holder.id)
+    env.gates.open(k)
     rec.wait("released", holder.id, count=2)
     meta = wait_until(lambda: (m := env.app.backend.get_task_meta(holder.id))["status"] == "SUCCESS" and m, TIMEOUT)
-    assert meta["result"] == f"ok by {holder.id}"
+    assert meta["result"] == f"gate-fail-once by {holder.id}"
     first, second = env.runs.of(k, holder.id)
-    assert first.end <= second.start
+    assert first.end <= second.start  # after the failed holder, never beside it
+
+
+def test_redelivery_after_success_is_dropped_even_after_another_call_ran(env, rec, info_log):
+    """A succeeds, B (same key) succeeds, then a redelivery of A arrives: it is dropped. The done
+    record is per task id, not "the last one", and it is checked whoever holds the key."""
+    k = fresh("a-then-b")
+    a = env.late.delay(k, "ok")
+    assert a.get(timeout=TIMEOUT) == f"ok by {a.id}"
+    b = env.late.delay(k, "ok")
+    assert b.get(timeout=TIMEOUT) == f"ok by {b.id}"
+    redeliver(env.broker, env.late, (k, "ok"), a.id, env.queue)
+    [event] = rec.wait("duplicate", a.id)
+    assert event.data["policy"] == "redelivery"
+    assert logged(info_log, a.id, "dropped", "already succeeded")
+    # and while C holds the key, a redelivery of A is dropped at once, not queued behind C
+    c = env.late.delay(k, "gate")
+    wait_until(lambda: env.runs.of(k, c.id), TIMEOUT, what="C to hold the key")
+    redeliver(env.broker, env.late, (k, "ok"), a.id, env.queue)
+    rec.wait("duplicate", a.id, count=2)
+    key = env.late.lock_key_for((k, "x"), {})
+    assert not env.locks.exists(key + ":q")
+    env.gates.open(k)
+    assert c.get(timeout=TIMEOUT) == f"gate by {c.id}"
+    rec.wait("postrun", a.id, count=3)
+    assert [r.task_id for r in env.runs.of(k)] == [a.id, b.id, c.id]  # A ran once
+    assert env.app.backend.get_task_meta(a.id)["result"] == f"ok by {a.id}"
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_redelivery_of_a_success_never_meets_the_duplicate_policy(env, rec, policy):
+    """Under skip/raise, a redelivered copy of a finished task used to overwrite its SUCCESS with
+    REVOKED or FAILURE. It is dropped instead, and the stored result stays."""
+    task = env.late_skip if policy == "skip" else env.late_raise
+    k = fresh(f"policy-{policy}")
+    a = task.delay(k, "ok")
+    assert a.get(timeout=TIMEOUT) == f"ok by {a.id}"
+    c = task.delay(k, "gate")
+    wait_until(lambda: env.runs.of(k, c.id), TIMEOUT, what="C to hold the key")
+    redeliver(env.broker, task, (k, "ok"), a.id, env.queue)
+    [event] = rec.wait("duplicate", a.id)
+    assert event.data["policy"] == "redelivery"
+    rec.wait("postrun", a.id, count=2)
+    meta = env.app.backend.get_task_meta(a.id)
+    assert (meta["status"], meta["result"]) == ("SUCCESS", f"ok by {a.id}")
+    env.gates.open(k)
+    assert c.get(timeout=TIMEOUT) == f"gate by {c.id}"
+    assert [r.task_id for r in env.runs.of(k)] == [a.id, c.id]
+
+
+def test_a_redelivered_task_that_never_finished_waits_its_turn_even_under_skip(env, rec):
+    """A redelivery of a task that has not succeeded (its worker died, say) is not a duplicate to
+    skip: it waits in line behind the current holder and runs after it."""
+    k = fresh("unfinished")
+    c = env.late_skip.delay(k, "gate")
+    wait_until(lambda: env.runs.of(k, c.id), TIMEOUT, what="C to hold the key")
+    lost_id = str(uuid.uuid4())  # a task whose first delivery never finished
+    redeliver(env.broker, env.late_skip, (k, "ok"), lost_id, env.queue)
+    [event] = rec.wait("duplicate", lost_id)
+    assert event.data["policy"] == "retry"  # waiting, not skipped
+    assert env.app.AsyncResult(lost_id).state == "WAITING"
+    env.gates.open(k)
+    assert c.get(timeout=TIMEOUT) == f"gate by {c.id}"
+    assert env.app.AsyncResult(lost_id).get(timeout=TIMEOUT) == f"ok by {lost_id}"
+    assert [r.task_id for r in env.runs.of(k)] == [c.id, lost_id]
+
+
+def test_the_tasks_own_retry_waits_its_turn_even_under_skip(env, rec):
+    """A self.retry() message that arrives while another call holds the key used to be REVOKED
+    under "skip": the retry was lost. It waits its turn instead."""
+    k = fresh("own-retry")
+    a = env.late_skip.delay(k, "retry-once")
+    rec.wait("released", a.id)  # its first run ended with self.retry(countdown=1)
+    c = env.late_skip.delay(k, "gate")
+    wait_until(lambda: env.runs.of(k, c.id), TIMEOUT, what="C to hold the key")
+    rec.wait("duplicate", a.id)  # the retry met C ...
+    assert env.app.AsyncResult(a.id).state == "WAITING"  # ... and waits, not REVOKED
+    env.gates.open(k)
+    assert c.get(timeout=TIMEOUT) == f"gate by {c.id}"
+    assert a.get(timeout=TIMEOUT) == f"retry-once by {a.id}"
+    runs = env.runs.of(k)
+    assert [r.task_id for r in runs] == [a.id, c.id, a.id] and runs[2].info["retries"] == 1
+
+
+def test_a_fresh_message_reusing_a_finished_task_id_runs(env, rec):
+    """Celery re-sends task ids on purpose (re-applying a frozen chord): a fresh message is new
+    work even when that id already succeeded here, acks_late or not."""
+    k = fresh("resend")
+    a = env.late.delay(k, "ok")
+    assert a.get(timeout=TIMEOUT) == f"ok by {a.id}"
+    env.late.apply_async((k, "again"), task_id=a.id)
+    [_, post] = rec.wait("postrun", a.id, count=2)  # (Celery keeps the first SUCCESS it stored)
+    assert post.data["state"] == "SUCCESS"
+    assert [r.info["mode"] for r in env.runs.of(k, a.id)] == ["ok", "again"]
+
+
+def test_an_eager_run_reusing_a_finished_task_id_runs(env, rec):
+    """An eager run is never a redelivery (finding: EagerResult.get() returned None)."""
+    k = fresh("eager-reuse")
+    a = env.late.delay(k, "ok")
+    assert a.get(timeout=TIMEOUT) == f"ok by {a.id}"
+    eager = env.late.apply((k, "eager"), task_id=a.id)
+    assert eager.get() == f"eager by {a.id}"

@@ -18,7 +18,7 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_singleton_lock import LockedTask, LockLost, lock_lost
-from celery_singleton_lock.lock import LockServer
+from celery_singleton_lock.server import LockServer
 from celery_singleton_lock.testing import wait_until
 
 LONG = 6.0  # seconds the long task runs
@@ -159,8 +159,8 @@ def test_green_pool_cpu_bound_task_starves_the_watchdog_and_the_loss_is_reported
     worker_app, worker_processes, redis_server, pool
 ):
     """The documented limit: a CPU-bound task never yields, so the watchdog greenlet cannot
-    renew and the lock expires. It is not hidden: when the task lets the lock go, the loss is
-    reported (ERROR line, lock_lost) with a reason that names the starved watchdog."""
+    renew and the lock expires. It is not hidden: `.lost` says so the moment it is read, and
+    the loss is reported once (ERROR line) with a reason that names a starved process."""
     worker = worker_processes(pool=pool, concurrency=2, env={"CSL_LOCK_TTL": str(TTL)})
     worker.wait_ready(60)
     key = f"busy-{pool}-{uuid.uuid4().hex[:8]}"
@@ -168,7 +168,8 @@ def test_green_pool_cpu_bound_task_starves_the_watchdog_and_the_loss_is_reported
     res.get(timeout=30)
     wait_until(lambda: "was LOST" in worker.log(), 10, 0.1, "the loss to be logged")
     lost_lines = [line for line in worker.log().splitlines() if "was LOST" in line]
-    assert len(lost_lines) == 1 and "watchdog ran" in lost_lines[0], lost_lines
+    assert len(lost_lines) == 1 and "starved" in lost_lines[0], lost_lines
+    assert res.result["lost"] is True  # the body read .lost after its deadline: the truth
 
 
 @pytest.mark.timeout(120)

@@ -117,7 +117,8 @@ def main() -> int:
         else:
             print("plain task:  lost no update this time (the race depends on timing)")
         print(
-            f"locked task: duplicates retried {dup.get('retry', 0)} times, skipped {dup.get('skip', 0)}, "
+            f"locked task: {dup.get('retry', 0)} duplicates waited their turn (one park and one hand-off each), "
+            f"skipped {dup.get('skip', 0)}, "
             f"failed {len(locked['failed'])}"
         )
         print(

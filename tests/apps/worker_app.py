@@ -26,7 +26,12 @@ app.conf.update(
     singleton_lock_retry_backoff_max=0.5,
     worker_prefetch_multiplier=1,
     task_acks_late=os.environ.get("CSL_ACKS_LATE") == "1",
-    broker_transport_options={"visibility_timeout": float(os.environ.get("CSL_VISIBILITY", "3600"))},
+    broker_transport_options={
+        "visibility_timeout": float(os.environ.get("CSL_VISIBILITY", "3600")),
+        # restore unacked messages every second: real redeliveries in tests (see _task_support.redeliver)
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
     worker_max_tasks_per_child=int(os.environ.get("CSL_MAX_TASKS_PER_CHILD", "0")) or None,
 )
 
@@ -182,3 +187,176 @@ def gated_raise(self, key: str, tag: str = "", gate: bool = False) -> dict:
         _wait_gate(key)
     record("gated_raise", key, start, time.time())
     return {"pid": os.getpid(), "tag": tag}
+
+
+# -- for tests/test_handoff.py (the FIFO line and its hand-offs) ------------------------------
+
+if os.environ.get("CSL_LOCK_URL"):
+    # the locks on a Redis of their own (a lock-Redis restart must not take the broker with it)
+    app.conf.singleton_lock_url = os.environ["CSL_LOCK_URL"]
+
+
+if os.environ.get("CSL_JOURNAL_HANDOFF") == "1":
+    # Every publish and every park made in a worker, journaled, so a test can count them:
+    # a waiter must park ONCE and be sent ONCE when its turn comes (no re-sends, no polling).
+    import json as _json
+
+    from celery.signals import before_task_publish
+
+    from celery_singleton_lock.signals import duplicate_skipped
+
+    @before_task_publish.connect(weak=False)
+    def _journal_publish(sender=None, headers=None, **_):
+        headers = headers or {}
+        journal.rpush("handoff:publishes", _json.dumps({
+            "id": headers.get("id"), "task": sender, "pid": os.getpid(), "at": time.time(),
+            **{k: v for k, v in headers.items() if k.startswith("singleton_lock_")},
+        }))
+
+    @duplicate_skipped.connect(weak=False)
+    def _journal_park(sender=None, key=None, task_id=None, holder_task_id=None, policy=None, **_):
+        journal.rpush("handoff:parks", _json.dumps({
+            "id": task_id, "key": key, "holder": holder_task_id, "policy": policy, "pid": os.getpid(),
+            "at": time.time(),
+        }))
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry")
+def in_line(self, key: str, seconds: float = 0.0, tag: str = "", gate: bool = False) -> dict:
+    """Waits its turn in the key's line; journals start and end under journaled:<key>. With
+    ``gate``, holds until the test sets gate:<key>."""
+    _journal_event(key, "start", self, tag=tag, entry=(self.request.headers or {}).get("singleton_lock_entry"))
+    if gate:
+        _wait_gate(key)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    lost = self.lock.lost
+    _journal_event(key, "end", self, tag=tag, lost=lost)
+    return {"pid": os.getpid(), "tag": tag, "fence": self.lock.fencing_token, "lost": lost}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_max_wait=2.0)
+def in_line_short_wait(self, key: str, tag: str = "", gate: bool = False) -> dict:
+    """As in_line, but a waiter gives up after 2 s in line (LockWaitTimeout)."""
+    _journal_event(key, "start", self, tag=tag)
+    if gate:
+        _wait_gate(key)
+    _journal_event(key, "end", self, tag=tag)
+    return {"pid": os.getpid(), "tag": tag}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry")
+def in_line_append(self, prev: list, key: str, tag: str, gate: bool = False) -> list:
+    """For chains and chords: ``prev + [tag]``, under the key's lock, waiting its turn."""
+    _journal_event(key, "start", self, tag=tag)
+    if gate:
+        _wait_gate(key)
+    _journal_event(key, "end", self, tag=tag)
+    return [*prev, tag]
+
+
+@app.task
+def plain_append(prev: list, tag: str) -> list:
+    """No lock: a chain's other links."""
+    return [*prev, tag]
+
+
+@app.task
+def collect(results: list) -> list:
+    """A chord's body: what the header gave it."""
+    return results
+
+
+@app.task
+def errback_journal(request, exc, traceback) -> None:
+    """A link_error: journals which task failed and with what (runs in the failing worker)."""
+    import json
+
+    journal.rpush("handoff:errbacks", json.dumps({"id": request.id, "exc": type(exc).__name__, "msg": str(exc)}))
+
+
+# -- for tests/test_reliability.py ----------------------------------------------------------
+
+from celery.signals import task_prerun  # noqa: E402 - this section is appended for one test module
+
+from celery_singleton_lock import LockLost, lock_lost  # noqa: E402
+
+
+@lock_lost.connect(weak=False)
+def _journal_lock_lost(sender=None, key=None, task_id=None, reason=None, **_) -> None:
+    """Every lock_lost signal of this worker, under lost_signal:<task id>: the test counts them."""
+    import json
+
+    journal.rpush(f"lost_signal:{task_id}", json.dumps({"key": key, "reason": reason, "pid": os.getpid()}))
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], lock_ttl=2, on_duplicate="skip")
+def lost_probe(self, key: str, tag: str) -> dict:
+    """Tag "stopped": spin (never reading self.lock) until this process notices it was stopped for
+    more than 3 s (the test SIGSTOPs it), then report its FIRST read of self.lock.lost and what
+    ensure() did. Any other tag: hold the key until the test opens gate:<key>:<tag>."""
+    import json
+
+    journal.rpush(f"started:lost_probe:{key}", json.dumps({"id": self.request.id, "pid": os.getpid(), "tag": tag}))
+    if tag != "stopped":
+        _wait_gate(f"{key}:{tag}")
+        return {"tag": tag, "pid": os.getpid(), "lost": self.lock.lost}
+    # Spin (holding the GIL, no sleep) until the clock jumps: the process was frozen. On SIGCONT this
+    # thread then runs on at once and reads .lost before any other thread of the process gets to run.
+    begun = prev = time.monotonic()
+    while prev - begun < 60:
+        now = time.monotonic()
+        if now - prev > 3.0:
+            break
+        prev = now
+    first_read = self.lock.lost
+    try:
+        self.lock.ensure()
+        ensured = "returned"
+    except LockLost as exc:
+        ensured = type(exc).__name__
+    return {"tag": tag, "pid": os.getpid(), "first_read": first_read, "ensure": ensured,
+            "reason": self.lock.lost_reason}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"])
+def redelivery_probe(self, key: str, seconds: float) -> dict:
+    """Hold the key ``seconds`` (acks_late workers with a short visibility timeout redeliver it
+    meanwhile); journals each body run under runs:redelivery_probe:<key>."""
+    start = time.time()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+    record("redelivery_probe", key, start, time.time())
+    return {"pid": os.getpid(), "key": key}
+
+
+@task_prerun.connect(weak=False)
+def _journal_delivery(sender=None, task_id=None, **_) -> None:
+    """Every delivery of redelivery_probe that reached a pool process, under deliveries:<task id>."""
+    if getattr(sender, "name", None) != redelivery_probe.name:
+        return
+    import json
+
+    request = sender.request
+    journal.rpush(f"deliveries:{task_id}", json.dumps({
+        "redelivered": bool((request.delivery_info or {}).get("redelivered")),
+        "headers": sorted(k for k in (request.headers or {}) if k.startswith("singleton_lock")),
+        "pid": os.getpid(), "at": time.time(),
+    }))
+
+# -- for tests/test_cli.py (`celery locks release`) -------------------------------------------
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"])
+def hold_until_lost(self, key: str, limit: float = 30.0) -> dict:
+    """Hold the lock until this process learns it is gone (a force release, found at the next
+    renewal), journal that, then call ensure(): it raises LockLost and the task FAILS with it."""
+    _journal_event(key, "start", self)
+    deadline = time.monotonic() + limit
+    while not self.lock.lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _journal_event(key, "lost" if self.lock.lost else "timeout", self, reason=self.lock.lost_reason)
+    self.lock.ensure()
+    return {"pid": os.getpid(), "lost": False}

@@ -1,0 +1,440 @@
+"""``celery locks ...``: the locks as Redis holds them, a call's key, and a force-release.
+
+Registered through the ``celery.commands`` entry point, so it runs with the
+app's own settings, and finds the lock Redis (``singleton_lock_url``, else the
+Redis result backend or broker, as the workers do) and the prefixes (the app's
+``singleton_lock_prefix`` and every LockedTask's own ``lock_prefix``)::
+
+    celery -A proj locks list [--task NAME] [--json]
+    celery -A proj locks show KEY [--json]
+    celery -A proj locks key TASK_NAME [--args JSON] [--kwargs JSON] [--json]
+    celery -A proj locks release KEY [--yes]
+
+``list`` walks the keyspace with SCAN (never KEYS), a batch at a time, and
+reads each batch in one pipelined round trip, so it never blocks Redis however
+many keys it holds. Exit status: 0 done (``show``: the lock is held;
+``release``: a lock was released), 1 no such lock (or the release was not
+confirmed), 2 a bad key, task or argument, or a lock Redis that is
+misconfigured or unreachable, with a one-line error.
+
+Every key of a lock ``K`` is described in :mod:`celery_singleton_lock.scripts`.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import click
+from redis.exceptions import RedisError
+
+from . import handoff, scripts, servers
+from .exceptions import LockError, LockKeyError
+from .lock import Handoff, redact_url
+from .server import LockServer
+from .survey import (
+    KINDS,
+    STATES,
+    describe,
+    duration,
+    glob_escape,
+    lock_row,
+    message_summary,
+    parse_key,
+    table,
+    to_json,
+)
+from .task import LockedTask
+from .urls import lock_source, transport_options
+
+logger = logging.getLogger("celery_singleton_lock")
+
+DEFAULT_PREFIX = "singleton_lock"
+SCAN_COUNT = 500
+"""Keys per SCAN call (a hint to Redis), and so per pipelined read."""
+
+class CliError(click.ClickException):
+    """A one-line error, exit status 2: a bad key or argument, or a lock Redis we cannot use."""
+
+    exit_code = 2
+
+
+def fail(message: str) -> NoReturn:
+    raise CliError(message)
+
+
+# -- keys ------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """Where the app's locks live, as the workers find them."""
+
+    app: Any
+    server: LockServer
+    url: str
+    prefixes: tuple[str, ...]
+    tasks: dict[str, LockedTask]
+
+    def run(self, what: Any) -> Any:
+        """Run ``what(client)``, turning Redis errors into one-line errors (exit status 2)."""
+        try:
+            return what(self.server.client)
+        except RedisError as exc:
+            fail(str(self.server.error(exc, "")))
+        except LockError as exc:
+            fail(str(exc))
+
+    def task_of(self, key: str) -> str:
+        try:
+            return parse_key(key, self.prefixes)
+        except ValueError as exc:
+            fail(str(exc))
+
+
+def open_target(ctx: click.Context) -> Target:
+    """The app's lock Redis, prefixes and LockedTasks (its task modules imported, as a worker does)."""
+    app = ctx.obj.app
+    try:
+        app.loader.import_default_modules()
+    except Exception as exc:
+        fail(f"cannot import the app's task modules: {type(exc).__name__}: {exc}")
+    conf = app.conf
+    try:
+        url, source = lock_source(conf)
+        transport = transport_options(conf, source)
+    except ValueError as exc:
+        fail(str(exc))
+    prefix = conf.get("singleton_lock_prefix") or DEFAULT_PREFIX
+    if not isinstance(prefix, str):
+        fail(f"setting singleton_lock_prefix must be a non-empty str, got {prefix!r}")
+    prefixes = {prefix}
+    tasks: dict[str, LockedTask] = {}
+    for name, task in sorted(app.tasks.items()):
+        if not isinstance(task, LockedTask):
+            continue
+        tasks[name] = task
+        try:
+            prefixes.add(task.lock_settings().prefix)
+        except ValueError as exc:
+            click.echo(f"warning: task {name}: {exc} (its own lock_prefix, if any, is not looked at)", err=True)
+    options = conf.get("singleton_lock_redis_options") or {}
+    if not isinstance(options, dict):
+        fail(f"setting singleton_lock_redis_options must be a dict, got {options!r}")
+    try:  # one Redis, Sentinel or Cluster, as the workers build it
+        server = servers.from_settings(url, transport_options=transport, redis_options=options)
+    except (ValueError, TypeError) as exc:
+        fail(f"cannot use the lock Redis URL {redact_url(url)}: {exc}")
+    return Target(app, server, server.url, tuple(sorted(prefixes)), tasks)
+
+
+def scan(target: Target, task: str | None = None, count: int = SCAN_COUNT) -> Iterator[list[tuple[str, str]]]:
+    """Batches of (lock key, task name), by SCAN under each prefix: never KEYS, never a long call."""
+    seen: set[str] = set()
+    tail = f"{glob_escape(task)}:*" if task else "*"
+    for prefix in target.prefixes:
+        pattern = f"{glob_escape(prefix)}:{tail}"
+        cursor = 0
+        while True:
+            cursor, found = target.run(lambda c, cur=cursor, pat=pattern: c.scan(cur, match=pat, count=count))
+            batch = []
+            for raw in found:
+                key = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+                if key in seen:
+                    continue
+                try:
+                    name = parse_key(key, target.prefixes)
+                except ValueError:
+                    continue  # a line, waiters, done records, wake-up list, the index...
+                if task is None or name == task:
+                    seen.add(key)
+                    batch.append((key, name))
+            if batch:
+                yield batch
+            if int(cursor) == 0:
+                break
+
+
+def read_batch(target: Target, batch: list[tuple[str, str]]) -> tuple[int, list[tuple[str, str, bytes, int, int]]]:
+    """One pipelined round trip: TIME, then GET, PTTL and LLEN of the line, of each key.
+
+    Returns the server clock (microseconds) and (key, task, value, pttl, waiters) of the keys
+    still held (a key released since the SCAN, or not a string, is left out).
+    """
+
+    def read(client: Any) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        pipe.time()
+        for key, _ in batch:
+            pipe.get(key)
+            pipe.pttl(key)
+            pipe.llen(key + ":q")
+        return list(pipe.execute(raise_on_error=False))
+
+    replies = target.run(read)
+    if isinstance(replies[0], Exception):
+        fail(str(target.server.error(replies[0], batch[0][0])))
+    now_us = replies[0][0] * 1_000_000 + replies[0][1]
+    out = []
+    for i, (key, name) in enumerate(batch):
+        value, pttl, waiters = replies[1 + 3 * i: 4 + 3 * i]
+        if value is None or isinstance(value, Exception):
+            continue
+        pttl = pttl if isinstance(pttl, int) else -2
+        out.append((key, name, value, pttl, waiters if isinstance(waiters, int) else 0))
+    return now_us, out
+
+
+def read_locks(target: Target, batch: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The batch's held locks, as rows."""
+    now_us, found = read_batch(target, batch)
+    return [lock_row(key, name, value, pttl, waiters, now_us) for key, name, value, pttl, waiters in found]
+
+
+@click.group(name="locks")
+@click.pass_context
+def locks(ctx: click.Context) -> None:
+    """celery-singleton-lock: list, explain and force-release the app's locks.
+
+    Uses the app's settings (celery -A proj locks ...): the same lock Redis and
+    prefixes as its workers. Exit status: 0 done, 1 no such lock, 2 a bad key or
+    argument, or the lock Redis misconfigured or unreachable.
+    """
+
+
+@locks.command(name="list")
+@click.option("--task", "task_name", metavar="NAME", help="Only the locks of this task.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON array of objects.")
+@click.option("--count", default=SCAN_COUNT, show_default=True, type=click.IntRange(1, 100_000),
+              help="Keys per SCAN batch (and per pipelined read).")
+@click.pass_context
+def list_locks(ctx: click.Context, task_name: str | None, as_json: bool, count: int) -> None:
+    """One line per held lock: key, task, holder, host, pid, held for, expires in, fencing token, waiters."""
+    target = open_target(ctx)
+    rows: list[dict[str, Any]] = []
+    for batch in scan(target, task_name, count):
+        rows.extend(read_locks(target, batch))
+    rows.sort(key=lambda row: row["key"])
+    if as_json:
+        click.echo(to_json(rows))
+    elif rows:
+        click.echo(table(rows))
+    else:
+        where = ", ".join(f"{p}:*" for p in target.prefixes)
+        click.echo(f"no locks held{f' by task {task_name}' if task_name else ''} ({where} on {target.url})")
+
+
+def _line(target: Target, key: str, now_ms: int, records: dict[bytes, bytes],
+          entries: list[bytes]) -> list[dict[str, Any]]:
+    """The key's waiters, next first, then those handed the key and gone from the line (yet to claim it)."""
+    out = []
+    order = [e for e in entries if e in records] + [e for e in records if e not in set(entries)]
+    for entry in order:
+        head, deadline, ttl, owner, message = records[entry].split(b"\n", 4)
+        kind, state = chr(head[0]), chr(head[1])
+        item = {
+            "entry": entry.decode(),
+            "owner": owner.decode(),
+            "kind": KINDS.get(kind, kind),
+            "state": STATES.get(state, state),
+            "in_line": entry in entries,
+            "gives_up_in_ms": int(deadline) - now_ms,
+            "ttl_ms": int(ttl),
+        }
+        item.update(message_summary(message))
+        out.append(item)
+    return out
+
+
+@locks.command(name="show")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_context
+def show(ctx: click.Context, key: str, as_json: bool) -> None:
+    """One lock: its holder, raw value, line of waiters (in order, with their state) and done records.
+
+    Exit status 0 if the lock is held, 1 if not (its line and done records are shown all the same).
+    """
+    target = open_target(ctx)
+    task = target.task_of(key)
+
+    def read(client: Any) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        pipe.time()
+        pipe.get(key)
+        pipe.pttl(key)
+        pipe.lrange(key + ":q", 0, -1)
+        pipe.hgetall(key + ":w")
+        pipe.zrange(key + ":d", 0, -1, withscores=True)
+        return list(pipe.execute())
+
+    (secs, micros), value, pttl, entries, records, done = target.run(read)
+    now_us = secs * 1_000_000 + micros
+    now_ms = now_us // 1000
+    row = lock_row(key, task, value, pttl, len(entries), now_us) if value is not None else None
+    waiting = _line(target, key, now_ms, records, entries)
+    remembered = [{"task_id": owner.decode(), "remembered_ms": int(until) - now_ms} for owner, until in done]
+    if as_json:
+        data = row or {"key": key, "task": task, "task_id": None, "host": None, "pid": None, "held_ms": None,
+                       "ttl_ms": -2, "fencing_token": None, "waiters": len(entries), "reserved": False}
+        data = {**data, "held": row is not None, "value": None if value is None else value.decode("utf-8", "replace"),
+                "line": waiting, "done": remembered}
+        click.echo(to_json(data))
+    else:
+        click.echo(f"lock      {key}")
+        click.echo(f"task      {task}")
+        click.echo(f"state     {describe(row) if row else 'free: nobody holds it'}")
+        if value is not None:
+            click.echo(f"value     {value.decode('utf-8', 'replace')}")
+        click.echo(f"line      {len(entries)} waiting" + (":" if waiting else ""))
+        for n, item in enumerate(waiting, 1):
+            call = ""
+            if item.get("task"):
+                call = f" {item['task']}(args={json.dumps(item['args'])}, kwargs={json.dumps(item['kwargs'])})"
+            place = f"{n}." if item["in_line"] else "-"
+            click.echo(f"  {place} {item['owner']}  {item['kind']}, {item['state']}, gives up in "
+                       f"{duration(item['gives_up_in_ms'])}, entry {item['entry']}{call}")
+        click.echo(f"done      {len(remembered)} record(s)" + (":" if remembered else ""))
+        for item in remembered:
+            click.echo(f"  {item['task_id']} succeeded: its redeliveries are dropped for "
+                       f"{duration(item['remembered_ms'])} more")
+    ctx.exit(0 if row is not None else 1)
+
+
+@locks.command(name="key")
+@click.argument("task_name")
+@click.option("--args", "args_json", default="[]", metavar="JSON", help="The call's positional arguments.")
+@click.option("--kwargs", "kwargs_json", default="{}", metavar="JSON", help="The call's keyword arguments.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_context
+def key_of(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str, as_json: bool) -> None:
+    """The key a call of TASK_NAME locks (the task's own lock_key_for), and who holds it now.
+
+    The arguments are JSON, as the message carries them: "why is my task skipped?"
+    """
+    target = open_target(ctx)
+    task = target.app.tasks.get(task_name)
+    if task is None:
+        known = ", ".join(target.tasks) or "none"
+        fail(f"no task named {task_name!r} in app {target.app.main!r} (its LockedTasks: {known})")
+    if not isinstance(task, LockedTask):
+        fail(f"task {task_name!r} is not a LockedTask: it takes no lock")
+    args = _json_arg("--args", args_json, list)
+    kwargs = _json_arg("--kwargs", kwargs_json, dict)
+    try:
+        key = task.lock_key_for(args, kwargs)
+    except (LockKeyError, ValueError) as exc:
+        fail(f"task {task_name}: {exc}")
+    row = _read_one(target, key, task_name)
+    if as_json:
+        click.echo(to_json({"key": key, "task": task_name, "held": row is not None, "holder": row}))
+        return
+    click.echo(key)
+    click.echo(describe(row) if row else "free: nobody holds it")
+
+
+def _json_arg(option: str, text: str, kind: type) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        fail(f"{option} must be JSON: {exc} in {text!r}")
+    if not isinstance(value, kind):
+        fail(f"{option} must be a JSON {'array' if kind is list else 'object'}, got {text!r}")
+    return value
+
+
+def _read_one(target: Target, key: str, task: str) -> dict[str, Any] | None:
+    """The lock ``key`` now, as a row (None when nobody holds it)."""
+    rows = read_locks(target, [(key, task)])
+    return rows[0] if rows else None
+
+
+def who_am_i() -> str:
+    """user@host (pid N): who force-released a lock, for the log."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # no name for this uid (a container)
+        user = f"uid {os.getuid()}" if hasattr(os, "getuid") else "unknown"
+    return f"user {user} on host {socket.gethostname()} (pid {os.getpid()})"
+
+
+@locks.command(name="release")
+@click.argument("key")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def release(ctx: click.Context, key: str, yes: bool) -> None:
+    """Force-release lock KEY, whoever holds it, and hand the key to the next waiter in its line.
+
+    The holder is not stopped: it learns that its lock is gone at its next
+    renewal (a third of its ttl at most: .lost, lock_lost, .ensure() raising).
+    Exit status 0 released, 1 no such lock (or not confirmed).
+    """
+    target = open_target(ctx)
+    task = target.task_of(key)
+    now_us, found = read_batch(target, [(key, task)])
+    if not found:
+        click.echo(f"no lock {key}: nothing released")
+        ctx.exit(1)
+    _, _, shown, pttl, waiters = found[0]
+    row = lock_row(key, task, shown, pttl, waiters, now_us)
+    expected = ""
+    if not yes:
+        click.echo(f"lock {key}: {describe(row)}")
+        if not click.confirm("Force-release it? Its holder keeps running, without the lock", default=False):
+            click.echo("not released")
+            ctx.exit(1)
+        # the holder shown, not whoever may have taken the key since: its token (or reservation's entry)
+        expected = shown.decode("utf-8", "replace").split(" ", 1)[0] + " "
+    for task_obj in target.tasks.values():  # waiting copies of these tasks are published from here
+        handoff.register(task_obj)
+    target.server.send_handoff = handoff.SEND
+    try:
+        reply = target.server.run(scripts.FORCE_RELEASE, target.server.keys_for(key), (expected,))
+    except LockError as exc:
+        fail(str(exc))
+    status, value = int(reply[0]), reply[1]
+    if status == -1:
+        now = _read_one(target, key, task)
+        click.echo(f"lock {key} changed hands since it was shown ({describe(now) if now else 'now free'}): "
+                   "nothing released")
+        ctx.exit(1)
+    handoffs = tuple(Handoff.parse(key, item) for item in reply[2:])
+    target.server.dispatch(handoffs)  # publishes the waiting task the key was handed to
+    passed = "".join(
+        f"; the key was handed to waiting {KINDS.get(h.kind, h.kind)} {h.owner_id}" if h.what == "run"
+        else f"; waiting {KINDS.get(h.kind, h.kind)} {h.owner_id} had waited too long (it fails)"
+        for h in handoffs
+    )
+    if status == 0:
+        click.echo(f"no lock {key}: nothing released{passed}")
+        ctx.exit(1)
+    was = lock_row(key, task, value, -2, waiters, now_us)
+    if was["reserved"]:
+        holder = f"reserved for waiting task {was['task_id']}"
+    else:
+        holder = (f"held by task {was['task_id']} on host {was['host']} (pid {was['pid']}) for "
+                  f"{duration(was['held_ms'])}, fencing token {was['fencing_token']}")
+    line = f"lock {key} force-released by {who_am_i()}: it was {holder}{passed}"
+    audit(line)
+    click.echo(line)
+
+
+def audit(line: str) -> None:
+    """The force-release's WARNING line on logger celery_singleton_lock: where the app's logging
+    sends it, else to stderr as a dated log line (not Python's bare last-resort message)."""
+    if logger.hasHandlers():
+        logger.warning("%s", line)
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s: %(levelname)s/%(name)s] %(message)s"))
+    logger.addHandler(handler)
+    try:
+        logger.warning("%s", line)
+    finally:
+        logger.removeHandler(handler)

@@ -1,0 +1,112 @@
+"""What a delivery does once its acquire has answered: the whole duplicate and redelivery logic
+as one table. Pure: no Redis, no Celery; ``LockedTask.before_start`` carries the action out.
+
+Identity comes before policy: a delivery of a task id that already succeeded
+here, a redelivery, our own copy of a waiting task, or the task's own retry
+is never treated as somebody's duplicate. Only a fresh delivery of *another*
+call with the same key meets the task's ``on_duplicate``.
+
+============================  =============================================  ===========================
+the acquire found             who is asking                                  action
+============================  =============================================  ===========================
+the lock, taken               anyone                                         RUN
+"already succeeded here"      a redelivery (only a redelivery asks)          DROP
+its waiter entry gone         a hand-off copy                                DROP (a twin already ran)
+its waiter entry gone         a copy sent again after Redis lost its data    AGAIN (acquire again, as a
+                                                                             redelivery)
+held by the same task id      eager, and that run is up this call stack      REENTER (Celery's replace())
+held by the same task id      eager, elsewhere                               WAIT_HERE
+held by the same task id      a hand-off or recovered copy                   DROP (it runs already)
+held by the same task id      a broker redelivery                            PARK_SAME: first in line,
+                                                                             dropped if the holder succeeds
+held by the same task id      a fresh message (retry, replace, re-sent)      PARK_FIRST
+held by another / line        eager, and the holder is up this call stack    DEADLOCK
+held by another / line        a recovered copy still in line                 DROP (its entry will run)
+held by another / line        a hand-off copy that lost its reservation      PARK_FIRST
+held by another / line        a redelivery, or the task's own retry          PARK (never skipped)
+held by another / line        policy "skip"                                  SKIP (REVOKED)
+held by another / line        policy "raise"                                 RAISE (DuplicateTask)
+held by another / line        policy "retry", in a worker                    PARK (WAITING), handed the
+                                                                             key in turn
+held by another / line        policy "retry", eager                          WAIT_HERE (blocks in line)
+held by another / line        policy "backoff"                               BACKOFF (re-sent later)
+============================  =============================================  ===========================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Found(Enum):
+    TAKEN = "taken"
+    HELD_BY_SELF = "held by the same task id"
+    HELD = "held by another"
+    QUEUED = "free, but waiters are in line"
+    ALREADY_SUCCEEDED = "already succeeded"
+    ENTRY_GONE = "entry gone"
+
+
+class Action(Enum):
+    RUN = "run"
+    DROP = "drop"
+    AGAIN = "acquire again as a new delivery"
+    REENTER = "run under the lock of the same task id up this call stack"
+    WAIT_HERE = "wait in line, blocking"
+    PARK_SAME = "park first in line, dropped if the holder succeeds"
+    PARK_FIRST = "park first in line"
+    PARK = "park at the end of the line"
+    DEADLOCK = "fail: it would wait for its own caller"
+    SKIP = "skip"
+    RAISE = "raise"
+    BACKOFF = "re-send after a back-off"
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Who is asking."""
+
+    policy: str
+    eager: bool = False
+    redelivered: bool = False
+    """The broker says this message was delivered before (``delivery_info["redelivered"]``)."""
+    handoff: bool = False
+    """Our own copy of a waiting task, sent when its turn came."""
+    recovered: bool = False
+    """Our own copy of a waiting task, sent again after the lock Redis lost its data."""
+    retry: bool = False
+    """The task's own ``self.retry()`` (or autoretry): the continuation of an earlier run."""
+    holder_on_stack: bool = False
+    """Eager: the execution holding the key is up this thread's call stack."""
+
+
+def decide(found: Found, who: Delivery) -> Action:
+    if found is Found.TAKEN:
+        return Action.RUN
+    if found is Found.ALREADY_SUCCEEDED:
+        return Action.DROP
+    if found is Found.ENTRY_GONE:
+        return Action.AGAIN if who.recovered else Action.DROP
+    if found is Found.HELD_BY_SELF:
+        if who.eager:
+            return Action.REENTER if who.holder_on_stack else Action.WAIT_HERE
+        if who.handoff or who.recovered:
+            return Action.DROP
+        return Action.PARK_SAME if who.redelivered else Action.PARK_FIRST
+    # held by another, or free with waiters in line
+    if who.eager and who.holder_on_stack:
+        return Action.DEADLOCK
+    if who.recovered:
+        return Action.DROP
+    if who.handoff:
+        return Action.PARK_FIRST
+    if who.redelivered or who.retry:
+        return Action.PARK
+    if who.policy == "skip":
+        return Action.SKIP
+    if who.policy == "raise":
+        return Action.RAISE
+    if who.policy == "backoff":
+        return Action.BACKOFF
+    return Action.WAIT_HERE if who.eager else Action.PARK

@@ -1,0 +1,93 @@
+"""A parked task's message: packed when it parks, sent again when its turn comes.
+
+The lock engine hands the key to a waiter and gives back the bytes the waiter
+parked; this module is the Celery side of that: :func:`pack` turns the running
+request into those bytes (the same signature ``self.retry()`` would send: task
+id, arguments, chain, links, chord, group, routing, priority), and
+:func:`send` is the function the engine calls to publish it again (through
+the app that registered the task), with a header that says why:
+
+``singleton_lock_entry``
+    its turn came: claim the key reserved for this waiter entry;
+``singleton_lock_recovered``
+    sent again because the lock Redis lost its data (with its entry id);
+``singleton_lock_expired``
+    it waited longer than its ``lock_max_wait``: fail it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery import Celery
+from kombu.serialization import dumps, loads
+
+from .lock import Handoff
+from .server import HandoffSender, LockServer
+
+logger = logging.getLogger("celery_singleton_lock")
+
+HEADER_PREFIX = "singleton_lock_"
+ENTRY = HEADER_PREFIX + "entry"
+RECOVERED = HEADER_PREFIX + "recovered"
+EXPIRED = HEADER_PREFIX + "expired"
+PARKED_AT = HEADER_PREFIX + "parked_at"
+"""When it parked (epoch seconds): how long it waited, for metrics."""
+
+
+def pack(task: Any, request: Any, args: Any, kwargs: Any) -> bytes:
+    """The message that runs this request again, as bytes to park.
+
+    Serialised with the task's own serializer, so whatever its arguments can
+    travel in (JSON by default) they can park in.
+    """
+    sig = task.signature_from_request(request, args, kwargs)
+    sig.options.pop("redelivered", None)  # delivery_info, copied by Celery: not an option to publish
+    sig.options["headers"] = {**(sig.options.get("headers") or {}), PARKED_AT: time.time()}
+    content_type, encoding, data = dumps(dict(sig), serializer=task.serializer)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    return f"{content_type}\n{encoding}\n".encode() + bytes(data)
+
+
+_apps: dict[str, Celery] = {}
+"""task name -> the app that sends it: a process may hold several apps (tests do), and a waiting
+task must go through its own app's broker."""
+
+
+def register(task: Any) -> None:
+    """Remember which app sends ``task``'s waiting copies (called when the task first locks)."""
+    _apps[task.name] = task.app
+
+
+def send(server: LockServer, handoff: Handoff) -> bool:
+    """Publish a waiter whose turn came (or whose wait ran out): what the lock engine calls.
+
+    False when no app of this process knows the task: then a sweeper elsewhere sends it.
+    """
+    content_type, encoding, data = handoff.message.split(b"\n", 2)
+    body = loads(data, content_type.decode(), encoding.decode(), accept=[content_type.decode()])
+    app = _apps.get(body.get("task"))
+    if app is None:
+        logger.info("lock %s: no app in this process sends task %s; left for a sweeper", handoff.key, body.get("task"))
+        return False
+    sig = app.signature(body)
+    headers = dict(sig.options.get("headers") or {})
+    if handoff.what == "run":
+        headers[ENTRY] = handoff.entry
+    elif handoff.what == "recovered":
+        headers[ENTRY] = handoff.entry
+        headers[RECOVERED] = 1
+    elif handoff.what == "expired":
+        headers[EXPIRED] = 1
+    else:
+        raise ValueError(f"unknown hand-off {handoff.what!r}")
+    sig.options["headers"] = headers
+    sig.apply_async()
+    logger.debug("lock %s: sent waiting task %s (%s)", handoff.key, handoff.owner_id, handoff.what)
+    return True
+
+
+SEND: HandoffSender = send

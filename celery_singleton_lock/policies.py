@@ -1,0 +1,163 @@
+"""What a delivery that does not run now does: wait in line, be dropped, skipped or failed, or be
+sent again later. ``LockedTask.before_start`` asks decide.py which, and calls one of these.
+
+Each ends the delivery the Celery way (``Ignore``, ``Retry``, an exception the tracer stores),
+except in eager mode, where back-off waits in place and returns so the caller tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from typing import Any, NoReturn
+
+from celery.app.task import get_actual_ignore_result
+from celery.exceptions import Ignore, Retry
+
+from . import config, handoff, queue
+from .decide import Action
+from .exceptions import DuplicateTask, LockBackendUnavailable, LockContended, LockError, SelfDeadlock
+from .lock import Holder, Verdict
+from .server import LockServer
+from .signals import duplicate_skipped
+
+logger = logging.getLogger("celery_singleton_lock")
+
+WAITING = "WAITING"
+"""The result state of a task parked in a key's line (not ready; it becomes the task's own
+end state once its turn came and it ran)."""
+
+UNREACHABLE = handoff.HEADER_PREFIX + "unreachable"
+"""Message header counting re-sends because the lock Redis was unreachable."""
+BACKOFF = handoff.HEADER_PREFIX + "backoff"
+"""Message header counting re-sends of the "backoff" duplicate policy."""
+TOKEN = handoff.HEADER_PREFIX + "token"
+"""Message header carrying the token of an acquire whose reply was lost."""
+
+
+
+def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settings: config.LockSettings,
+         server: LockServer, key: str, outcome: Any, entry: str | None) -> bool:
+    """Park this delivery in the key's line and end it (Ignore); False if the key was freed meanwhile."""
+    same = action is Action.PARK_SAME
+    first = action is not Action.PARK
+    holder_id = outcome.owner_id if isinstance(outcome, Holder) else request.id
+    message = handoff.pack(task, request, args, kwargs)
+    entry = entry or queue.new_entry()
+    place = queue.park(
+        server, key, entry, kind="s" if same else "t", wait=settings.max_wait, ttl=settings.ttl,
+        owner_id=request.id, message=message, first=first,
+    )
+    if not place:
+        return False
+    # TEST-ONLY fault injection (tests/test_handoff.py): CSL_TEST_KILL_AT=parked kills this process
+    # right after the park, before the delivery ends (its message lives on only in the key's line)
+    if os.environ.get("CSL_TEST_KILL_AT") == "parked":
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        queue.announce(server, settings.index, key)
+    except LockError as exc:  # the line still moves on releases; only a dead holder needs the sweeper
+        logger.warning("lock %s: could not tell the sweepers about its line: %s", key, exc)
+    queue.get_sweeper().remember(server, key, entry, request.id, settings.ttl, message)
+    queue.get_sweeper().watch(server, settings.index)
+    own = holder_id == request.id
+    if not own and not get_actual_ignore_result(task, request):
+        task.backend.store_result(
+            request.id, {"key": key, "place": place, "holder": holder_id}, WAITING, request=request
+        )
+    logger.info(
+        "task %s[%s] waits in line for lock %s (place %d, held by %s)%s",
+        task.name, request.id, key, place, holder_id,
+        " as a redelivered copy of the running task" if same else "",
+    )
+    duplicate_skipped.send(
+        sender=task, key=key, task_id=request.id, holder_task_id=holder_id,
+        policy="redelivery" if own else "retry",
+    )
+    raise Ignore(f"waiting in line for lock {key}")
+
+def refuse(task: Any, action: Action, request: Any, settings: config.LockSettings, key: str, outcome: Any) -> NoReturn:
+    """End a delivery that will not run: drop, skip, raise, or fail on a would-be deadlock."""
+    holder_id = outcome.owner_id if isinstance(outcome, Holder) else request.id
+    if action is Action.DROP:
+        why = {
+            Verdict.ALREADY_SUCCEEDED: "it already succeeded",
+            Verdict.ENTRY_GONE: "its waiting copy already ran",
+        }.get(outcome, f"task {holder_id} (the same call) runs it already")
+        logger.info("task %s[%s] is dropped: %s (lock %s)", task.name, request.id, why, key)
+        duplicate_skipped.send(sender=task, key=key, task_id=request.id, holder_task_id=holder_id,
+                               policy="redelivery")
+        raise Ignore(f"dropped: {why}")
+    if action is Action.DEADLOCK:
+        raise SelfDeadlock(key, holder_id)
+    policy = settings.on_duplicate
+    logger.info(
+        "task %s[%s] is a duplicate: lock %s is held by task %s (policy %s)",
+        task.name, request.id, key, holder_id, policy,
+    )
+    duplicate_skipped.send(sender=task, key=key, task_id=request.id, holder_task_id=holder_id, policy=policy)
+    if action is Action.RAISE:
+        raise DuplicateTask(key, holder_id)
+    # skip: a terminal state at once, so result.get() does not hang in PENDING
+    reason = f"duplicate: lock {key} is held by task {holder_id}"
+    if not request.is_eager and not get_actual_ignore_result(task, request):
+        task.backend.mark_as_revoked(request.id, reason, request=request)
+    raise Ignore(reason)
+
+def backoff(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, outcome: Any) -> None:
+    """The "backoff" policy: send this call again later; returns only to try again (eager)."""
+    holder_id = outcome.owner_id if isinstance(outcome, Holder) else None
+    attempt = _count(request, BACKOFF)
+    key = outcome.key if isinstance(outcome, Holder) else ""
+    duplicate_skipped.send(sender=task, key=key, task_id=request.id, holder_task_id=holder_id, policy="backoff")
+    if attempt >= settings.max_retries:
+        raise LockContended(key, holder_id, attempt + 1)
+    reason = f"lock {key} busy (held by task {holder_id}), re-sent with back-off, attempt {attempt + 1} of " \
+             f"{settings.max_retries}"
+    _send_again(task, request, args, kwargs, settings, BACKOFF, attempt, reason, DuplicateTask(key, holder_id))
+
+def unreachable(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, token: str,
+                exc: LockBackendUnavailable) -> None:
+    """Redis unreachable: send this call again later, carrying the attempt's token; returns
+    only to try again (eager). The body never runs unlocked."""
+    attempt = _count(request, UNREACHABLE)
+    if attempt >= settings.max_retries:
+        raise exc
+    reason = f"lock Redis unreachable ({exc.reason}), attempt {attempt + 1} of {settings.max_retries}"
+    logger.warning("task %s[%s]: %s", task.name, request.id, reason)
+    _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, reason, exc, token)
+
+def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, counter: str,
+                attempt: int, reason: str, exc: Exception, token: str | None = None) -> None:
+    delay = _delay(settings, attempt)
+    if request.is_eager:
+        setattr(request, counter, attempt + 1)
+        time.sleep(delay)
+        return
+    headers = {k: v for k, v in (request.headers or {}).items() if k in (UNREACHABLE, BACKOFF, TOKEN)}
+    headers[counter] = attempt + 1
+    if token:
+        headers[TOKEN] = token
+    sig = task.signature_from_request(request, args, kwargs, countdown=delay, retries=request.retries)
+    sig.options["headers"] = {**(sig.options.get("headers") or {}), **headers}
+    sig.apply_async()
+    raise Retry(reason, exc=exc, when=delay, sig=sig)
+
+
+def _count(request: Any, header: str) -> int:
+    value = (request.headers or {}).get(header, getattr(request, header, 0))
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _delay(settings: config.LockSettings, attempt: int) -> float:
+    """Exponential back-off with jitter (50-100% of the step), capped."""
+    step = min(settings.retry_backoff_max, settings.retry_backoff * (2.0 ** min(attempt, 30)))
+    return step * random.uniform(0.5, 1.0)
+
+

@@ -1,0 +1,367 @@
+"""Waiting: a key's first-come-first-served line, and what keeps it moving.
+
+A waiter that finds the key held *parks*: it joins the key's line in Redis
+(:func:`park`) and stops. When the holder releases, the release script itself
+hands the key to the first in line, reserved for it so that no newcomer can
+take it first, and returns the waiter to the releaser, which sends it on (a
+task's message is published again; plain code blocked in :func:`wait_turn` is
+woken through its own wake-up list). That is Redisson's fair lock and etcd's
+revision-ordered mutex, on one Redis key slot.
+
+Two things keep a line moving when nobody releases:
+
+* a holder that died (SIGKILL, a lost host) releases nothing: its lock
+  expires within its TTL, and the :class:`Sweeper` that runs in every worker
+  process then passes the key on. It finds the keys to look at in a small
+  index, ``<prefix>:{waiting}``, scored by when each key is next worth a look
+  (its holder's expiry, its first waiter's deadline), and lends the due ones
+  to one sweeper at a time;
+* a releaser killed between the hand-off and the publish leaves the waiter
+  "handed but not sent": when the reservation runs out unclaimed, the
+  sweeper sends it again. A waiter whose message was sent but is slow to
+  arrive loses its turn instead, and claims the key whenever it arrives.
+
+And if the lock Redis loses its data (a restart without persistence), the
+parked messages go with it. Each process remembers the messages it parked
+until they leave the line (:meth:`Sweeper.remember`); the sweeper notices the
+loss (the index's epoch changed) and sends them again.
+
+Plain code that waits (:func:`wait_turn`) blocks on BLPOP of its wake-up
+list: woken by the release, never sleep-polling. It looks again when the
+holder's TTL runs out, in case the holder died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from . import scripts
+from .exceptions import LockError
+from .lock import Handoff, Holder, Lock, Verdict, ms, slot_safe
+from .server import LockServer
+
+logger = logging.getLogger("celery_singleton_lock")
+
+SWEEP_INTERVAL = 1.0
+"""Seconds between two looks of a process's sweeper at the keys that have waiters."""
+SWEEP_LEASE = 5.0
+"""Seconds a key stays lent to the sweeper that took it, so sweepers don't all look at once."""
+SWEEP_BATCH = 100
+"""Keys one sweeper looks at per round trip."""
+LONGEST_BLOCK = 5.0
+"""Longest single BLPOP of a plain waiter (below the client's socket timeout)."""
+
+
+def new_entry() -> str:
+    return uuid.uuid4().hex
+
+
+def park(
+    server: LockServer,
+    name: str,
+    entry: str,
+    *,
+    kind: str,
+    wait: float,
+    ttl: float,
+    owner_id: str,
+    message: bytes = b"",
+    first: bool = False,
+) -> int:
+    """Put a waiter in ``name``'s line: its place (1 = next), or 0 if the key is free and nobody
+    waits (then take it instead).
+
+    ``kind``: "t" a task (``message`` is what to send when its turn comes), "s"
+    a redelivered copy of the running task (dropped if the holder succeeds),
+    "p" plain code. ``first`` goes ahead of everyone (a copy of the running task
+    is its continuation). ``wait`` is how long it may wait before it is timed out.
+    """
+    if "\n" in owner_id:
+        raise ValueError(f"an owner id cannot contain a newline: {owner_id!r}")
+    key = slot_safe(name)
+    reply = server.run(
+        scripts.PARK, server.keys_for(key),
+        (entry, kind, ms(wait), ms(ttl), owner_id, message, "1" if first else "0"),
+    )
+    return int(reply[1]) if int(reply[0]) == 1 else 0
+
+
+def leave(server: LockServer, name: str, entry: str) -> bool:
+    """Take ``entry`` out of the line (it gave up); True if the key had been reserved for it
+    (it then passes to the next waiter)."""
+    key = slot_safe(name)
+    reply = server.run(scripts.LEAVE, server.keys_for(key), (entry,))
+    server.dispatch(tuple(Handoff.parse(key, item) for item in reply[1:]))
+    return int(reply[0]) == 1
+
+
+def sweep(server: LockServer, name: str) -> tuple[int, tuple[Handoff, ...]]:
+    """Pass the key on if its holder died, and time out waiters past their deadline.
+    Returns (when to look again, server clock in ms, 0 when nobody waits; the hand-offs made)."""
+    key = slot_safe(name)
+    reply = server.run(scripts.SWEEP, server.keys_for(key), ())
+    handoffs = tuple(Handoff.parse(key, item) for item in reply[1:])
+    server.dispatch(handoffs)
+    return int(reply[0]), handoffs
+
+
+def line(server: LockServer, name: str) -> list[str]:
+    """The owner ids of ``name``'s waiters, next first (for operators and tests)."""
+    key = slot_safe(name)
+    try:
+        entries = server.client.lrange(key + ":q", 0, -1)
+        records = server.client.hmget(key + ":w", entries) if entries else []
+    except RedisError as exc:
+        raise server.error(exc, key) from exc
+    return [rec.split(b"\n", 4)[3].decode() for rec in records if isinstance(rec, bytes)]
+
+
+def index_key(prefix: str) -> str:
+    """The sweeper's index of keys with waiting tasks (its own hash slot)."""
+    return f"{prefix}:{{waiting}}"
+
+
+def announce(server: LockServer, index: str, name: str) -> None:
+    """Tell the sweepers that ``name`` has a waiting task (after every park of one)."""
+    server.run(scripts.INDEX_ADD, (index,), (slot_safe(name),))
+
+
+# -- plain code: block until handed the key -------------------------------------
+
+
+def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None, wait: float) -> Lock | Holder:
+    """Take ``name``, waiting up to ``wait`` seconds in line; the Lock, or the last Holder seen
+    if the wait ran out.
+
+    While it waits it holds a place in the line and blocks on its wake-up
+    list, so it is woken by the release that hands it the key, in its turn.
+    """
+    deadline = time.monotonic() + wait
+    entry: str | None = None
+    last: Holder | None = None
+    try:
+        while True:
+            outcome = server.acquire(name, ttl, owner_id=owner_id, entry=entry)
+            if isinstance(outcome, Lock):
+                entry = None  # claimed: it left the line
+                return outcome
+            if outcome is Verdict.ENTRY_GONE:  # timed out of the line by a sweep
+                entry = None
+            elif isinstance(outcome, Holder):
+                last = outcome
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return last or Holder(slot_safe(name), None, None, None, 0, "", queued=True)
+            if entry is None:
+                entry = new_entry()
+                if not park(server, name, entry, kind="p", wait=left, ttl=ttl, owner_id=owner_id or entry):
+                    entry = None  # it was freed meanwhile: take it
+                continue
+            # woken by the hand-off, or look again when the holder would expire if it died
+            expiry = (last.ttl_ms / 1000 if last is not None and last.ttl_ms > 0 else LONGEST_BLOCK) + 0.05
+            block = max(0.01, min(left, expiry, LONGEST_BLOCK))
+            try:
+                server.client.blpop([slot_safe(name) + ":wake:" + entry], timeout=block)
+            except RedisError as exc:
+                raise server.error(exc, name) from exc
+    finally:
+        if entry is not None:
+            try:
+                leave(server, name, entry)
+            except LockError as exc:
+                logger.warning("lock %s: could not leave the line (%s); the entry times out by itself", name, exc)
+
+
+# -- the sweeper --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Parked:
+    server: LockServer
+    key: str
+    entry: str
+    owner_id: str
+    ttl_ms: int
+    message: bytes
+
+
+class Sweeper:
+    """One thread per process that keeps the lines of its servers moving (see the module doc).
+
+    ``watch(server, index)`` starts it for a server; every worker process runs
+    one, so a line keeps moving whichever processes die.
+    """
+
+    def __init__(self, interval: float = SWEEP_INTERVAL) -> None:
+        self.interval = interval
+        self.pid = os.getpid()
+        self._cond = threading.Condition()
+        self._watched: dict[tuple[LockServer, str], str | None] = {}  # (server, index) -> epoch seen
+        self._parked: dict[tuple[LockServer, str, str], _Parked] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.rounds = 0
+        self.recovered = 0
+
+    def watch(self, server: LockServer, index: str) -> None:
+        with self._cond:
+            self._watched.setdefault((server, index), None)
+            self._start()
+
+    def remember(self, server: LockServer, name: str, entry: str, owner_id: str, ttl: float, message: bytes) -> None:
+        """Keep a parked task's message here until it leaves the line, in case Redis loses it."""
+        with self._cond:
+            self._parked[(server, slot_safe(name), entry)] = _Parked(
+                server, slot_safe(name), entry, owner_id, ms(ttl), message
+            )
+            self._start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _start(self) -> None:
+        if self._stopping or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._thread = threading.Thread(target=self._loop, name=f"celery-singleton-lock-sweeper-{self.pid}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        first = True
+        while True:
+            with self._cond:
+                if not first:  # the first look is at once: it learns the data's epoch
+                    # jittered, so the sweepers of many processes spread out
+                    self._cond.wait(self.interval * random.uniform(0.75, 1.25))
+                first = False
+                if self._stopping:
+                    return
+                watched = list(self._watched)
+            self.rounds += 1
+            for server, index in watched:
+                try:
+                    self.sweep_once(server, index)
+                except LockError as exc:
+                    logger.debug("sweeping %s on %s failed: %s", index, server.url, exc)
+                except Exception:
+                    logger.exception("celery-singleton-lock sweeper: sweeping %s on %s failed", index, server.url)
+            try:
+                self._prune()
+            except Exception:
+                logger.exception("celery-singleton-lock sweeper: checking parked messages failed")
+
+    def sweep_once(self, server: LockServer, index: str) -> int:
+        """One look at the due keys of ``index``; returns how many hand-offs it made."""
+        made = 0
+        while True:
+            reply = server.run(
+                scripts.INDEX_DUE, (index, index + ":epoch"), (SWEEP_BATCH, ms(SWEEP_LEASE), uuid.uuid4().hex)
+            )
+            text = [x.decode() if isinstance(x, bytes) else str(x) for x in reply]
+            epoch, lease, keys = text[0], text[1], text[2:]
+            self._check_epoch(server, index, epoch)
+            looks: list[tuple[str, int]] = []
+            for key in keys:
+                try:
+                    next_ms, handoffs = sweep(server, key)
+                except LockError as exc:
+                    logger.warning("sweeping lock %s failed: %s", key, exc)
+                    continue
+                made += sum(1 for h in handoffs if h.what == "run")
+                looks.append((key, next_ms))
+            if looks:
+                flat = [x for key, when in looks for x in (key, str(when))]
+                server.run(scripts.INDEX_DONE, (index,), (lease, *flat))
+            if len(keys) < SWEEP_BATCH:
+                return made
+
+    def _check_epoch(self, server: LockServer, index: str, epoch: str) -> None:
+        """A new epoch means the lock Redis lost its data: send again what this process parked."""
+        with self._cond:
+            seen = self._watched.get((server, index))
+            self._watched[(server, index)] = epoch
+            if seen is None or seen == epoch:
+                return
+            lost = [p for (srv, _, _), p in self._parked.items() if srv is server]
+            for p in lost:
+                self._parked.pop((server, p.key, p.entry), None)
+        logger.log(
+            logging.ERROR if lost else logging.WARNING,
+            "the lock Redis at %s lost its data (epoch %s, now %s): sending the %d task(s) this process had "
+            "parked there again", server.url, seen, epoch, len(lost),
+        )
+        for p in lost:
+            self.recovered += 1
+            server.dispatch([Handoff(p.key, "recovered", p.entry, "t", p.owner_id, p.ttl_ms, p.message)])
+
+    def _prune(self) -> None:
+        """Forget the parked messages that left their line (they ran or were timed out)."""
+        with self._cond:
+            parked = list(self._parked.values())
+        by_server: dict[LockServer, list[_Parked]] = {}
+        for p in parked:
+            by_server.setdefault(p.server, []).append(p)
+        for server, items in by_server.items():
+            try:
+                pipe = server.client.pipeline(transaction=False)
+                for p in items:
+                    pipe.hexists(p.key + ":w", p.entry)
+                present = pipe.execute()
+            except RedisError:
+                continue  # unreachable: keep them, look again next round
+            with self._cond:
+                for p, here in zip(items, present, strict=True):
+                    if not here:
+                        self._parked.pop((server, p.key, p.entry), None)
+
+    def parked_count(self) -> int:
+        return len(self._parked)
+
+
+_sweeper: Sweeper | None = None
+_sweeper_lock = threading.Lock()
+
+
+def get_sweeper() -> Sweeper:
+    """This process's sweeper (anew after a fork)."""
+    global _sweeper
+    sw = _sweeper
+    if sw is not None and sw.pid == os.getpid():
+        return sw
+    with _sweeper_lock:
+        if _sweeper is None or _sweeper.pid != os.getpid():
+            _sweeper = Sweeper()
+        return _sweeper
+
+
+def shutdown_sweeper(timeout: float = 5.0) -> None:
+    sw = _sweeper
+    if sw is not None and sw.pid == os.getpid():
+        sw.stop(timeout)
+
+
+def _forget_parent_sweeper() -> None:
+    global _sweeper, _sweeper_lock
+    _sweeper = None
+    _sweeper_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parent_sweeper)
+
+__all__: Sequence[str] = [
+    "park", "leave", "sweep", "line", "index_key", "announce", "wait_turn", "Sweeper", "get_sweeper",
+]

@@ -1,0 +1,318 @@
+"""A quorum of independent Redis masters: Redlock, with fencing tokens that still only rise.
+
+The seed designs (redlock-py's RedLock, articles 001 and 002 in shared/reference) take a
+lock on a majority of N independent masters within its validity: the TTL minus the time
+the acquire took minus a drift allowance. So a minority of servers down, slow or
+restarted neither blocks nor breaks the lock. :class:`QuorumLockServer` does that behind
+the same interface as one Redis (acquire, release, renew_many), so the watchdog and the
+task side use it unchanged:
+
+* every operation goes to all members at once (each member has a thread of its own, so a
+  stopped member cannot hold the others up) and is decided as soon as a majority has
+  answered either way: about one round trip of wall time, not N;
+* a member still busy with an earlier operation (stopped, or slow) is skipped, so a dead
+  minority costs nothing but its vote;
+* the watchdog renews on every member in each round; a lock no longer confirmed by a
+  majority before its deadline is lost, like any other.
+
+**Fencing across majorities.** Martin Kleppmann's critique of Redlock is that it has no
+fencing token: each master has its own clock and counter. Here an acquire takes two
+steps. First each member answers with ``max(its clock in microseconds, its floor + 1)``,
+where the floor ``K:f`` is the highest token written back to it; the token is the
+maximum over the granting majority. Then that token is written back as the floor of the
+granting majority (``Q_FENCE``) before the acquire returns. Any two majorities share a
+member, so the next holder's majority includes a member whose floor is at least the
+previous token, and the next token is strictly greater. This holds as long as that shared
+member kept its floor: a member restarted without persistence must stay out for a while
+(Redlock's "delayed restart"), or its clock must not be behind the others by more than
+the time between two holders. The floor lives for ``FENCE_KEEP`` (7 days): after that,
+members' clocks (microseconds since 1970) are far past any token written before, unless
+they disagree by more than a week.
+
+The waiting line (``on_duplicate="retry"``, ``held(..., wait=...)``) needs one Redis that
+orders its waiters: in quorum mode a duplicate backs off and tries again instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from . import scripts, wire
+from .exceptions import LockBackendUnavailable, LockError
+from .lock import Holder, Lock, Released, Verdict, check_ttl, ms, redact_url, slot_safe
+from .server import TOKEN_BYTES, LockServer
+
+logger = logging.getLogger("celery_singleton_lock")
+
+FENCE_KEEP = 7 * 24 * 3600.0
+"""Seconds a key's fencing floor outlives its last holder on each member."""
+DRIFT = 0.01
+"""Clock drift allowed between this host and the members, as a share of the TTL (Redlock's factor)."""
+MEMBER_TIMEOUT = 1.0
+"""Default socket timeout of the members' connections: a stopped member costs no more than this."""
+STUCK_AFTER = 0.1
+"""Seconds a member may take over an operation before the next ones skip it (a stopped member)."""
+SINCE = "celery_singleton_lock:{quorum}:since"
+"""On each member: when its data began (its first use since it last started empty). A member whose
+data is younger than a lock's TTL may have lost a lock it granted (Redlock's restarted server): its
+vote alone does not count until a TTL has passed (the automatic form of Redlock's delayed restart)."""
+
+
+class _Member:
+    """One master of the quorum, with a thread of its own (its connections are that thread's)."""
+
+    def __init__(self, server: LockServer) -> None:
+        self.server = server
+        self._pid = os.getpid()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="csl-quorum")
+        self._queued: list[tuple[float, Future[Any]]] = []  # (when submitted, its future), not yet done
+
+    def submit(self, fn: Callable[[LockServer], Any]) -> Future[Any] | None:
+        """Run ``fn(server)`` on the member's thread, after what it is running; None when the member
+        seems stuck (its oldest unfinished job was sent more than STUCK_AFTER ago): it is skipped."""
+        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+            self._pid, self._pool, self._queued = os.getpid(), ThreadPoolExecutor(max_workers=1), []
+        now = time.monotonic()
+        self._queued = [(t, f) for t, f in self._queued if not f.done()]
+        if self._queued and now - self._queued[0][0] > STUCK_AFTER:
+            return None
+        future = self._pool.submit(fn, self.server)
+        self._queued.append((now, future))
+        return future
+
+
+class QuorumLockServer(LockServer):
+    """N >= 3 independent Redis masters, used as one lock server (see the module doc).
+
+    A LockServer by interface: every operation is overridden to go to the members.
+    """
+
+    supports_line = False
+
+    def __init__(self, members: Sequence[LockServer]) -> None:  # no single client to wrap: no super().__init__
+        self.send_handoff = None
+        self.min_replicas = 0
+        self.client = members[0].client  # for operators' plain reads; the locks live on every member
+        if len(members) < 3:
+            raise ValueError(f"a quorum needs at least 3 independent Redis servers, got {len(members)}")
+        self.members = list(members)
+        self._members = [_Member(m) for m in members]
+        self.majority = len(members) // 2 + 1
+        self.url = "quorum(" + ", ".join(m.url for m in members) + ")"
+        self._twins: dict[float, QuorumLockServer] = {}
+
+    @classmethod
+    def from_urls(cls, urls: Sequence[str], **client_options: Any) -> QuorumLockServer:
+        client_options.setdefault("socket_timeout", MEMBER_TIMEOUT)
+        client_options.setdefault("socket_connect_timeout", MEMBER_TIMEOUT)
+        return cls([LockServer.from_url(url, **client_options) for url in urls])
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
+
+    def with_timeout(self, seconds: float) -> LockServer:
+        twin = self._twins.get(seconds)
+        if twin is None:
+            twin = self._twins[seconds] = QuorumLockServer([m.with_timeout(seconds) for m in self.members])
+        return twin
+
+    def error(self, exc: Exception, key: str) -> LockError:
+        return self.members[0].error(exc, key)
+
+    def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False) -> Any:
+        raise LockError(
+            f"{self.url}: the waiting line needs one Redis that orders its waiters; in quorum mode a duplicate "
+            "backs off and tries again (on_duplicate='retry' acts as 'backoff')"
+        )
+
+    def dispatch(self, handoffs: Any) -> None:
+        """Nothing to send: no line in quorum mode."""
+
+    # -- fan-out ------------------------------------------------------------------
+
+    def _fan_out(self, fn: Callable[[LockServer], Any], decided: Callable[[list[Any]], bool],
+                 only: Sequence[int] | None = None) -> list[Any]:
+        """Run ``fn`` on every member (or those in ``only``) at once; results in member order.
+
+        A result is the member's answer, an exception, or ``_SKIPPED`` (busy, or not asked).
+        Returns as soon as ``decided(results so far)`` holds, every member asked answered, or
+        the members' timeout passed (the rest finish on their own threads).
+        """
+        results: list[Any] = [_PENDING] * len(self._members)
+        futures: dict[Future[Any], int] = {}
+        for i, member in enumerate(self._members):
+            future = member.submit(fn) if only is None or i in only else None
+            if future is None:
+                results[i] = _SKIPPED
+            else:
+                futures[future] = i
+        timeout = max(m.client.connection_pool.connection_kwargs.get("socket_timeout") or MEMBER_TIMEOUT
+                      for m in self.members)
+        deadline = time.monotonic() + timeout + 0.05
+        pending = set(futures)
+        while pending and not decided(results):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            done, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+            for future in done:
+                exc = future.exception()
+                results[futures[future]] = exc if exc is not None else future.result()
+        return [LockBackendUnavailable(self.members[i].url, "no answer in time") if r is _PENDING else r
+                for i, r in enumerate(results)]
+
+    def _settled(self, yes: Callable[[Any], bool]) -> Callable[[list[Any]], bool]:
+        """Decided once a majority said yes, or so many said no (or could not) that no majority can."""
+        def decided(results: list[Any]) -> bool:
+            ayes = sum(1 for r in results if _ok(r) and yes(r))
+            nays = sum(1 for r in results if r is not _PENDING and not (_ok(r) and yes(r)))
+            return ayes >= self.majority or nays > len(results) - self.majority
+        return decided
+
+    def _answered(self, results: list[Any]) -> bool:
+        """Decided once a majority answered at all."""
+        return sum(1 for r in results if _ok(r)) >= self.majority
+
+    # -- operations ---------------------------------------------------------------
+
+    def acquire(
+        self, name: str, ttl: float, *, owner_id: str | None = None, token: str | None = None,
+        entry: str | None = None, check_done: bool = False,
+    ) -> Lock | Holder | Verdict:
+        """Take ``name`` on a majority within its validity, then write its fencing token back."""
+        ttl = check_ttl(ttl)
+        key = slot_safe(name)
+        token = token or secrets.token_hex(TOKEN_BYTES)
+        args = (token, wire.meta(owner_id), ms(ttl), owner_id or "", "1" if check_done else "")
+        sent = time.monotonic()
+
+        def take(server: LockServer) -> Any:
+            return server.run(scripts.Q_ACQUIRE, (key, key + ":f", key + ":d", SINCE), args)
+
+        replies = self._fan_out(take, self._settled(lambda r: int(r[0]) == 1))
+        if any(_ok(r) and int(r[0]) == 2 for r in replies):
+            self._give_back_all(key, token)
+            return Verdict.ALREADY_SUCCEEDED
+        trusted = [(i, int(r[1])) for i, r in enumerate(replies) if _ok(r) and int(r[0]) == 1]
+        young = [(i, int(r[1])) for i, r in enumerate(replies) if _ok(r) and int(r[0]) == 4]
+        granted = trusted
+        if len(trusted) < self.majority and len(young) >= self.majority:
+            # A majority whose data is younger than the ttl: a new deployment, or a majority that
+            # restarted empty at once, which no quorum can survive. Only then do their votes count.
+            logger.warning("%s: a majority of the quorum's servers started empty less than %gs ago; "
+                           "taking %s on their votes", self.url, ttl, key)
+            granted = trusted + young
+        elapsed = time.monotonic() - sent
+        validity = ttl - elapsed - DRIFT * ttl - 0.002
+        if len(granted) >= self.majority and validity > 0 and elapsed < ttl / 3:
+            fence = max(f for _, f in granted)
+            on = [i for i, _ in granted]
+
+            def write_back(server: LockServer) -> Any:
+                return server.run(scripts.Q_FENCE, (key, key + ":f"), (token + " ", fence, ms(FENCE_KEEP)))
+
+            acks = self._fan_out(write_back, self._settled(lambda r: int(r) == 1), only=on)
+            if sum(1 for r in acks if _ok(r) and int(r) == 1) >= self.majority and time.monotonic() - sent < ttl / 3:
+                lock = Lock(self, key, token, fence, ttl, owner_id, confirmed_at=sent)
+                lock.margin += DRIFT * ttl  # Redlock's drift allowance on top of the watchdog's margin
+                return lock
+        self._give_back_all(key, token)
+        held = next((r for r in replies if _ok(r) and int(r[0]) == 0), None)
+        if held is not None:
+            return Holder.parse(key, held[1], int(held[2]))
+        errors = [r for r in replies if not _ok(r)]
+        reason = "; ".join(str(e) for e in errors[:3]) or "no majority answered in time"
+        raise LockBackendUnavailable(self.url, f"no majority of {len(self.members)} granted the lock: {reason}")
+
+    def _give_back_all(self, key: str, token: str) -> None:
+        """Undo a failed or untrusted acquire on every member (best effort: each expires within its ttl)."""
+        probe = Lock(self.members[0], key, token, 0, 1.0)
+        self._fan_out(lambda s: s.run(scripts.RELEASE, s.keys_for(key), (probe.prefix, "", "0", "0")),
+                      lambda r: True)  # sent, not waited for
+
+    def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0) -> Released:
+        """Release on every member; deleted (status 1) when a majority still had our token."""
+        if lock.pid != os.getpid():
+            return Released(-2)
+        args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0")
+        replies = self._fan_out(lambda s: s.run(scripts.RELEASE, s.keys_for(lock.key), args), self._answered)
+        statuses = [int(r[0]) for r in replies if _ok(r)]
+        if len(statuses) < self.majority:
+            errors = [r for r in replies if not _ok(r)]
+            raise LockBackendUnavailable(self.url, f"no majority answered the release: {errors[0] if errors else ''}")
+        lock.released = True
+        if sum(1 for s in statuses if s == 1) >= self.majority:
+            return Released(1)
+        return Released(-1 if any(s == -1 for s in statuses) else 0)
+
+    def renew(self, lock: Lock) -> bool:
+        result = self.renew_many([lock])[0]
+        if isinstance(result, LockError):
+            raise result
+        return result
+
+    def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]:
+        """Renew on every member; a lock is confirmed by a majority, lost once no majority can confirm it."""
+        if not locks:
+            return []
+        chunks = [locks[i : i + chunk] for i in range(0, len(locks), chunk)]
+        sent = time.monotonic()
+
+        def renew_on(server: LockServer) -> list[Any]:
+            replies = server._pipeline_evalsha(server._sha(scripts.RENEW_MANY), chunks)
+            flat: list[Any] = []
+            for part, reply in zip(chunks, replies, strict=True):
+                flat.extend([reply] * len(part) if isinstance(reply, Exception) else [int(f) == 1 for f in reply])
+            return flat
+
+        per_member = self._fan_out(renew_on, self._answered)
+        out: list[bool | LockError] = []
+        for i, lock in enumerate(locks):
+            votes = [m[i] if isinstance(m, list) else m for m in per_member]
+            ayes = sum(1 for v in votes if v is True)
+            nays = sum(1 for v in votes if v is False)
+            if ayes >= self.majority:
+                lock.confirmed_at = sent
+                lock.last_error = None
+                out.append(True)
+            elif nays > len(votes) - self.majority:
+                out.append(False)
+            else:
+                shown = next((v for v in votes if not isinstance(v, bool)), "no majority")
+                out.append(LockBackendUnavailable(self.url, f"renewal confirmed by {ayes} of {len(votes)}: {shown}"))
+        return out
+
+    def holder(self, name: str) -> Holder | None:
+        for member in self.members:
+            try:
+                return member.holder(name)
+            except LockError:
+                continue
+        raise LockBackendUnavailable(self.url, "no member answered")
+
+
+_PENDING = object()
+_SKIPPED = LockBackendUnavailable("(quorum member)", "still busy with an earlier operation: skipped")
+
+
+def _ok(reply: Any) -> bool:
+    return reply is not _PENDING and not isinstance(reply, BaseException) and reply is not None
+
+
+def quorum_urls(url: str) -> list[str]:
+    """The members of a quorum URL (``;``-separated plain Redis URLs), each redacted in errors."""
+    urls = [u.strip() for u in url.split(";") if u.strip()]
+    if len(urls) < 3:
+        raise ValueError(
+            f"a quorum of independent Redis masters needs at least 3 URLs, got {len(urls)}: "
+            + ", ".join(redact_url(u) for u in urls)
+        )
+    return urls
+

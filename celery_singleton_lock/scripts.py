@@ -1,0 +1,372 @@
+"""The Lua scripts: every change to the lock and its waiting line is one of these.
+
+Layout in Redis for a lock named ``K`` (``K`` carries a cluster hash tag, so
+every key below lives in K's hash slot and no script touches two slots):
+
+``K``
+    the lock: ``"<token> <fence> <json: owner, host, pid>"`` with a PX expiry;
+    or, while it is being handed to a waiter, a reservation
+    ``"~<entry> 0 <json: owner, reserved>"`` that only that waiter can claim.
+    The fence is the server clock in microseconds when the lock was taken.
+``K:q``
+    the waiting line: a LIST of entry ids, first in line at the head.
+``K:w``
+    the waiters: a HASH entry id -> ``"<kind><state>\\n<deadline ms>\\n<ttl ms>\\n<owner>\\n<message>"``.
+    kind ``t`` a parked task (message: the task message to send again),
+    ``s`` a redelivered copy of the running task (dropped if it succeeds),
+    ``p`` plain code blocked in ``held(..., wait=...)`` (woken through
+    ``K:wake:<entry>``); state ``p`` parked, ``h`` handed the key (its
+    message not yet known to be sent), ``c`` handed and sent.
+``K:d``
+    done records, only for tasks that can be redelivered after success
+    (``acks_late``): a ZSET owner id -> until when (ms) to drop its redeliveries.
+
+Every key expires on its own: nothing is left behind once a lock is released
+and its line is empty. Times in the line are the server's clock (ms), so every
+client agrees on them.
+
+Outside the slot, for the sweeper (see queue.py): ``<prefix>:{waiting}``, a
+ZSET of lock keys that have waiters, scored by when to look at them next, and
+``<prefix>:{waiting}:epoch``, which changes when the lock Redis lost its data.
+"""
+
+from __future__ import annotations
+
+# Shared by every script of one lock. KEYS: lock, line, waiters, done.
+_KEYS = """
+local LOCK, LINE, WAITERS, DONE = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+-- the server clock in ms (and the raw TIME reply, for microseconds)
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
+end
+-- kind, state, deadline, ttl, owner of a waiter's record
+local function parse(rec)
+  local kind, state, deadline, ttl, owner = string.match(rec, '^(.)(.)\\n(%d+)\\n(%d+)\\n([^\\n]*)\\n')
+  return kind, state, tonumber(deadline), ttl, owner
+end
+"""
+
+# Shared by the scripts that pass the key on.
+_HAND_OFF = _KEYS + """
+-- Give the free key to the first waiter in line, reserved for it, so no
+-- newcomer can take it first. On the way, drop copies of a task that just
+-- succeeded (drop_owner) and waiters past their deadline (task ones are
+-- returned as 'expired', for the caller to fail them). Appends
+-- {what, entry, record} to out and returns it.
+local function hand_off(now, drop_owner, out)
+  while true do
+    local e = redis.call('LINDEX', LINE, 0)
+    if not e then return out end
+    local rec = redis.call('HGET', WAITERS, e)
+    local kind, state, deadline, ttl, owner
+    if rec then kind, state, deadline, ttl, owner = parse(rec) end
+    if not rec then
+      redis.call('LPOP', LINE)                                  -- it left the line already
+    elseif state == 'c' then
+      redis.call('LPOP', LINE)                                  -- handed and sent, but not claimed in time:
+    elseif kind == 's' and owner == drop_owner then             -- it keeps its record and claims when it comes
+      redis.call('LPOP', LINE)
+      redis.call('HDEL', WAITERS, e)
+    elseif deadline <= now then
+      redis.call('LPOP', LINE)
+      redis.call('HDEL', WAITERS, e)
+      if kind == 't' then out[#out + 1] = {'expired', e, rec} end
+    else
+      local reserved = cjson.encode({owner = owner, reserved = true})
+      redis.call('SET', LOCK, '~' .. e .. ' 0 ' .. reserved, 'PX', ttl)
+      redis.call('HSET', WAITERS, e, kind .. 'h' .. string.sub(rec, 3))
+      if kind == 'p' then
+        redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
+        redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
+      end
+      out[#out + 1] = {'run', e, rec}
+      return out
+    end
+  end
+end
+"""
+
+ACQUIRE = _KEYS + """
+-- ARGV[1] token, ARGV[2] metadata (JSON), ARGV[3] ttl ms, ARGV[4] owner id,
+-- ARGV[5] entry id when a waiter claims its turn ('' otherwise),
+-- ARGV[6] '1' when ARGV[1] is the token of an earlier attempt whose reply was lost,
+-- ARGV[7] '1' to drop the owner if it already succeeded here (a redelivery).
+-- Returns {1, fence} taken; {0, value, pttl} held (value '' and pttl -2: free,
+-- but waiters are in line); {2} already succeeded; {3} the entry is gone.
+local now, t = clock()
+if ARGV[7] == '1' then
+  local until_ms = redis.call('ZSCORE', DONE, ARGV[4])
+  if until_ms and tonumber(until_ms) > now then return {2} end
+end
+local entry = ARGV[5]
+local held = redis.call('GET', LOCK)
+if held then
+  if ARGV[6] == '1' and string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
+    redis.call('PEXPIRE', LOCK, ARGV[3])                        -- ours since the lost reply
+    return {1, string.match(held, '^%S+ (%d+)')}
+  end
+  if entry ~= '' and redis.call('HEXISTS', WAITERS, entry) == 0 then return {3} end
+  if entry == '' or string.sub(held, 1, #entry + 2) ~= '~' .. entry .. ' ' then
+    return {0, held, redis.call('PTTL', LOCK)}
+  end
+elseif entry ~= '' then
+  if redis.call('HEXISTS', WAITERS, entry) == 0 then return {3} end
+  -- its reservation ran out: it may still go if nobody live is ahead of it
+  local head = redis.call('LINDEX', LINE, 0)
+  while head and head ~= entry do
+    local rec = redis.call('HGET', WAITERS, head)
+    if rec then
+      local kind, state, deadline = parse(rec)
+      if kind ~= 'p' or deadline > now then break end           -- a live waiter ahead
+    end
+    redis.call('LPOP', LINE)                                    -- a dead plain waiter
+    redis.call('HDEL', WAITERS, head)
+    head = redis.call('LINDEX', LINE, 0)
+  end
+  if head and head ~= entry and redis.call('LPOS', LINE, entry) then return {0, '', -2} end
+elseif redis.call('EXISTS', LINE) == 1 then
+  return {0, '', -2}                                            -- nobody jumps the line
+end
+if entry ~= '' then
+  redis.call('HDEL', WAITERS, entry)
+  redis.call('LREM', LINE, 1, entry)
+end
+local fence = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
+redis.call('SET', LOCK, ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3])
+return {1, fence}
+"""
+
+RELEASE = _HAND_OFF + """
+-- ARGV[1] "<token> ", ARGV[2] owner id, ARGV[3] '1' if the holder succeeded,
+-- ARGV[4] ms to remember that success ('0': not needed).
+-- Returns {deleted, hand-offs...}: deleted 1 it was ours, 0 it was gone
+-- already, -1 another holds it. The key passes to the next waiter here.
+local held = redis.call('GET', LOCK)
+local deleted = 0
+if held then
+  if string.sub(held, 1, #ARGV[1]) ~= ARGV[1] then return {-1} end
+  redis.call('DEL', LOCK)
+  deleted = 1
+end
+local now = 0
+if ARGV[3] == '1' and ARGV[4] ~= '0' then
+  now = clock()
+  redis.call('ZADD', DONE, now + tonumber(ARGV[4]), ARGV[2])
+  redis.call('ZREMRANGEBYSCORE', DONE, '-inf', now)
+  redis.call('PEXPIRE', DONE, ARGV[4])
+end
+if redis.call('EXISTS', LINE) == 0 then return {deleted} end
+if now == 0 then now = clock() end
+local drop = ''
+if ARGV[3] == '1' then drop = ARGV[2] end
+return hand_off(now, drop, {deleted})
+"""
+
+RENEW_MANY = """
+-- KEYS[i] lock keys; ARGV[i] their "<token> " prefixes, ARGV[#KEYS+i] ttls ms
+-- Sets each ttl (replaces it, does not add) while the token still holds it.
+-- Returns one entry per key: 1 renewed, 0 not the owner (gone or taken).
+local out = {}
+local n = #KEYS
+for i = 1, n do
+  local held = redis.call('GET', KEYS[i])
+  if held and string.sub(held, 1, #ARGV[i]) == ARGV[i] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[n + i])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+PARK = _KEYS + """
+-- ARGV[1] entry id, ARGV[2] kind (t, s or p), ARGV[3] longest wait ms,
+-- ARGV[4] lock ttl ms, ARGV[5] owner id, ARGV[6] message, ARGV[7] '1' to go first.
+-- Returns {0} when the key is free and nobody waits (take it instead), else
+-- {1, place in line}.
+if redis.call('EXISTS', LOCK) == 0 and redis.call('EXISTS', LINE) == 0 then return {0} end
+local now = clock()
+local wait = tonumber(ARGV[3])
+local rec = ARGV[2] .. 'p\\n' .. string.format('%.0f', now + wait) .. '\\n'
+  .. ARGV[4] .. '\\n' .. ARGV[5] .. '\\n' .. ARGV[6]
+redis.call('HSET', WAITERS, ARGV[1], rec)
+redis.call('LREM', LINE, 1, ARGV[1])
+local place = 1
+if ARGV[7] == '1' then
+  redis.call('LPUSH', LINE, ARGV[1])
+else
+  place = redis.call('RPUSH', LINE, ARGV[1])
+end
+-- the line outlives its last waiter's deadline, and no longer
+local keep = wait + 60000
+for _, key in ipairs({WAITERS, LINE}) do
+  if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
+end
+return {1, place}
+"""
+
+SWEEP = _HAND_OFF + """
+-- For the sweeper: pass the key on if its holder died (or a reservation ran
+-- out unclaimed), and time out waiters past their deadline while it is held.
+-- Returns {next look (ms; 0: nobody waits), hand-offs...}.
+if redis.call('EXISTS', LINE) == 0 then return {0} end
+local now = clock()
+local pttl = redis.call('PTTL', LOCK)
+if pttl < 0 then
+  return hand_off(now, '', {now + 1000})
+end
+local out = {now + pttl}
+local i = 0
+while true do
+  local e = redis.call('LINDEX', LINE, i)
+  if not e then break end
+  local rec = redis.call('HGET', WAITERS, e)
+  if not rec then
+    redis.call('LREM', LINE, 1, e)
+  else
+    local kind, state, deadline = parse(rec)
+    if state ~= 'p' then
+      i = i + 1                                                 -- the one the key is reserved for
+    elseif deadline <= now then
+      redis.call('LREM', LINE, 1, e)
+      redis.call('HDEL', WAITERS, e)
+      if kind == 't' then out[#out + 1] = {'expired', e, rec} end
+    else
+      out[1] = math.min(out[1], deadline)
+      break
+    end
+  end
+end
+return out
+"""
+
+CONFIRM = """
+-- KEYS[1] waiters; ARGV[1] entry id. The hand-off's message was sent: the
+-- sweeper must not send it again. Returns 1 marked, 0 no such handed entry.
+local rec = redis.call('HGET', KEYS[1], ARGV[1])
+if not rec or string.sub(rec, 2, 2) ~= 'h' then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], string.sub(rec, 1, 1) .. 'c' .. string.sub(rec, 3))
+return 1
+"""
+
+LEAVE = _HAND_OFF + """
+-- ARGV[1] entry id: a waiter gives up. If the key was already reserved for
+-- it, the key goes to the next in line. Returns {was reserved (1/0), hand-offs...}.
+redis.call('LREM', LINE, 1, ARGV[1])
+redis.call('HDEL', WAITERS, ARGV[1])
+redis.call('DEL', LOCK .. ':wake:' .. ARGV[1])
+local held = redis.call('GET', LOCK)
+if not held or string.sub(held, 1, #ARGV[1] + 2) ~= '~' .. ARGV[1] .. ' ' then return {0} end
+redis.call('DEL', LOCK)
+return hand_off(clock(), '', {1})
+"""
+
+INDEX_ADD = """
+-- KEYS[1] the waiting index; ARGV[1] a lock key with waiters: look at it now.
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[1])
+return 1
+"""
+
+INDEX_DUE = """
+-- KEYS[1] the waiting index, KEYS[2] its epoch; ARGV[1] how many, ARGV[2] lease ms,
+-- ARGV[3] a new epoch value, used if none is set (the data was lost, or first use).
+-- Lends the keys that are due to this sweeper: other sweepers skip them until
+-- the lease ends. Returns {epoch, lease score, keys...}.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('SET', KEYS[2], ARGV[3], 'NX')
+local out = {redis.call('GET', KEYS[2]), string.format('%.0f', now + tonumber(ARGV[2]))}
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+for _, key in ipairs(due) do
+  redis.call('ZADD', KEYS[1], out[2], key)
+  out[#out + 1] = key
+end
+return out
+"""
+
+INDEX_DONE = """
+-- KEYS[1] the waiting index; ARGV[1] the lease score; then pairs (key, next ms;
+-- 0 to drop it). A key parked on since the lease (its score changed) is left alone.
+for i = 2, #ARGV, 2 do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) == ARGV[1] then
+    if ARGV[i + 1] == '0' then
+      redis.call('ZREM', KEYS[1], ARGV[i])
+    else
+      redis.call('ZADD', KEYS[1], ARGV[i + 1], ARGV[i])
+    end
+  end
+end
+return 1
+"""
+
+FORCE_RELEASE = _HAND_OFF + """
+-- For operators (`celery locks release`): delete the lock whoever holds it, then
+-- pass the key to the next waiter exactly as RELEASE does.
+-- ARGV[1] the value's expected start (the holder's "<token> " the operator was
+-- shown), or '' for whoever holds it now.
+-- Returns {deleted, value, hand-offs...}: deleted 1 (value: what was deleted),
+-- 0 there was no lock, -1 another holder took it since it was shown (nothing done).
+local held = redis.call('GET', LOCK)
+local deleted = 0
+if held then
+  if ARGV[1] ~= '' and string.sub(held, 1, #ARGV[1]) ~= ARGV[1] then return {-1, held} end
+  redis.call('DEL', LOCK)
+  deleted = 1
+end
+if redis.call('EXISTS', LINE) == 0 then return {deleted, held or ''} end
+return hand_off(clock(), '', {deleted, held or ''})
+"""
+
+# -- quorum mode (quorum.py): the same lock value on each of N independent masters ------------------
+
+Q_ACQUIRE = """
+-- KEYS[1] lock, KEYS[2] its fencing floor, KEYS[3] done records, KEYS[4] when this server's data
+-- began (its first use since it started empty); ARGV[1] token, ARGV[2] metadata, ARGV[3] ttl ms,
+-- ARGV[4] owner id, ARGV[5] '1' to drop an owner that already succeeded here.
+-- Returns {1, fence} taken (our own token: taken back), {4, fence} taken by a server whose data
+-- is younger than the ttl (it may have lost a lock it granted before: its vote alone is not
+-- trusted), {0, value, pttl} held, {2} already succeeded.
+-- The fence is max(this server's clock in microseconds, its floor + 1).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local since = tonumber(redis.call('GET', KEYS[4]) or '0')
+if since == 0 then
+  redis.call('SET', KEYS[4], now)
+  since = now
+end
+local taken = 1
+if now - since < tonumber(ARGV[3]) then taken = 4 end
+if ARGV[5] == '1' then
+  local until_ms = redis.call('ZSCORE', KEYS[3], ARGV[4])
+  if until_ms and tonumber(until_ms) > now then return {2} end
+end
+local held = redis.call('GET', KEYS[1])
+if held then
+  if string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    return {taken, string.match(held, '^%S+ (%d+)')}
+  end
+  return {0, held, redis.call('PTTL', KEYS[1])}
+end
+local floor = tonumber(redis.call('GET', KEYS[2]) or '0')
+local fence = string.format('%.0f', math.max(tonumber(t[1]) * 1000000 + tonumber(t[2]), floor + 1))
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3])
+return {taken, fence}
+"""
+
+Q_FENCE = """
+-- KEYS[1] lock, KEYS[2] its fencing floor; ARGV[1] "<token> ", ARGV[2] the quorum's token, ARGV[3] keep ms.
+-- While the token holds the lock: the floor rises to the token (never falls), and the lock's value
+-- shows it. Returns 1 written, 0 not ours (any more).
+local held = redis.call('GET', KEYS[1])
+if not held or string.sub(held, 1, #ARGV[1]) ~= ARGV[1] then return 0 end
+if tonumber(ARGV[2]) > tonumber(redis.call('GET', KEYS[2]) or '0') then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+end
+local rest = string.match(held, '^%S+ %d+ (.*)$') or ''
+redis.call('SET', KEYS[1], ARGV[1] .. ARGV[2] .. ' ' .. rest, 'KEEPTTL')
+return 1
+"""

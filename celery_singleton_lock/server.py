@@ -1,0 +1,445 @@
+"""The lock operations against one Redis server: :class:`LockServer`.
+
+It knows redis-py and nothing of Celery, so it can be used (and tested, and
+benchmarked) on its own. Every operation is ONE round trip: one EVALSHA, or
+one pipeline for a batch. An unreachable or stalled Redis raises
+:class:`LockBackendUnavailable` (transient: worth trying again); a refusal
+that trying again cannot fix (a wrong password, a server that is not Redis, a
+key that holds something else) raises :class:`LockBackendRefused`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import (
+    NoScriptError,
+    RedisError,
+    ResponseError,
+)
+from redis.retry import Retry
+
+from . import refusals, scripts, wire
+from .exceptions import LockBackendUnavailable, LockError
+from .lock import Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, redact_url, slot_safe
+
+logger = logging.getLogger("celery_singleton_lock")
+
+TOKEN_BYTES = 16  # 128 bits
+DEFAULT_CLIENT_OPTIONS = {"socket_connect_timeout": 5.0, "socket_timeout": 10.0}
+"""What every lock client gets unless its options say otherwise."""
+
+DEFAULT_REPLICA_TIMEOUT = 1.0
+"""Seconds an acquire waits for ``min_replicas`` replicas to acknowledge it (Redis WAIT)."""
+
+
+class Unreplicated(Exception):
+    """A script ran, but fewer replicas than ``min_replicas`` acknowledged its writes in time (internal)."""
+
+    def __init__(self, reply: Any, acked: int) -> None:
+        super().__init__(f"{acked} replica(s) acknowledged")
+        self.reply = reply
+        self.acked = acked
+
+
+HandoffSender = Callable[["LockServer", Handoff], bool]
+
+
+class LockServer:
+    """The lock operations against one Redis server.
+
+    Create one per URL and process and share it: it holds a connection pool
+    and the scripts' SHAs. ``with_timeout`` gives a twin with its own pool and
+    short socket timeouts (what the watchdog and releases use).
+
+    ``send_handoff`` is how a waiting task is sent when the key is passed to it:
+    the Celery side sets it (it knows how to publish); without it such a waiter
+    is left for a sweeper (see :mod:`celery_singleton_lock.queue`).
+
+    ``min_replicas`` > 0 makes an acquire (and a renewal) count only once that
+    many replicas acknowledged it (Redis ``WAIT``, sent with the script in the
+    same round trip, waiting up to ``replica_timeout`` seconds): a lock a
+    failover could lose is given back and :class:`LockBackendUnavailable`
+    raised. See docs/topologies.md. Other topologies (Sentinel, Cluster) are
+    subclasses in :mod:`celery_singleton_lock.servers`.
+    """
+
+    supports_line = True
+    """Whether keys on this server can have a waiting line (a quorum of masters cannot order one)."""
+
+    def __init__(self, client: redis.Redis, *, url: str | None = None, min_replicas: int = 0,
+                 replica_timeout: float = DEFAULT_REPLICA_TIMEOUT) -> None:
+        self.client = client
+        self.url = url or _describe(client)
+        self._shas: dict[str, str] = {}
+        self._held = threading.local()  # each thread's own connection, taken from the pool and kept
+        self.send_handoff: HandoffSender | None = None
+        self.min_replicas = min_replicas
+        self.replica_timeout = replica_timeout
+
+    @classmethod
+    def from_url(cls, url: str, **client_options: Any) -> LockServer:
+        options = {**DEFAULT_CLIENT_OPTIONS, **client_options}
+        return cls(redis.Redis.from_url(url, **options), url=redact_url(url))
+
+    def close(self) -> None:
+        """Close this server's connections (they reopen on the next operation)."""
+        self._held = threading.local()  # each thread takes a fresh one from the pool (Sentinel: asks again)
+        self.client.close()
+        self.client.connection_pool.disconnect()
+
+    def with_timeout(self, seconds: float) -> LockServer:
+        """A twin on its own connections whose commands time out after ``seconds``, without retries.
+
+        Its WAIT for replicas (if any) is cut to half of ``seconds``, so a missing
+        replica answers "not acknowledged" before the socket times out.
+        """
+        twin = self._twin(seconds)
+        twin._shas = self._shas  # same server, same scripts
+        twin.send_handoff = self.send_handoff
+        twin.min_replicas = self.min_replicas
+        twin.replica_timeout = min(self.replica_timeout, seconds / 2)
+        return twin
+
+    def _twin(self, seconds: float) -> LockServer:
+        """A server of the same kind and address with short timeouts (topologies override it)."""
+        pool = self.client.connection_pool
+        kwargs = dict(pool.connection_kwargs)
+        kwargs.update(socket_timeout=seconds, socket_connect_timeout=seconds, retry=Retry(NoBackoff(), 0))
+        return LockServer(
+            redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)),
+            url=self.url,
+        )
+
+    # -- script plumbing -------------------------------------------------
+
+    def _sha(self, script: str) -> str:
+        sha = self._shas.get(script)
+        if sha is None:
+            sha = self._shas[script] = self.client.script_load(script)
+        return sha
+
+    def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False) -> Any:
+        """EVALSHA, loading the script once and again after NOSCRIPT (restart, SCRIPT FLUSH, failover).
+
+        ``replicated``: with ``min_replicas``, also WAIT for the replicas in the
+        same round trip; :class:`Unreplicated` (carrying the script's reply) if
+        too few acknowledged in time.
+        """
+        wait = replicated and self.min_replicas > 0
+        try:
+            try:
+                return self._call(self._sha(script), keys, args, wait)
+            except NoScriptError:
+                self._shas.pop(script, None)
+                return self._call(self._sha(script), keys, args, wait)
+        except RedisError as exc:
+            raise self.error(exc, keys[0]) from exc
+
+    def _packed(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool) -> bytes:
+        data = wire.pack(sha, keys, args)
+        return data + wire.pack_wait(self.min_replicas, ms(self.replica_timeout)) if wait else data
+
+    def _read(self, conn: Any, wait: bool) -> Any:
+        """The script's reply (and, with ``wait``, the WAIT's: both are always read off the wire)."""
+        try:
+            reply = conn.read_response()
+        except ResponseError:
+            if wait:
+                try:
+                    conn.read_response()
+                except ResponseError:
+                    pass
+            raise
+        if wait:
+            acked = int(conn.read_response())
+            if acked < self.min_replicas:
+                raise Unreplicated(reply, acked)
+        return reply
+
+    def _call(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool = False) -> Any:
+        """One EVALSHA, packed here and sent on this thread's own connection.
+
+        redis-py's generic command path (pool checkout, packing, response
+        callbacks) costs about as much as the round trip itself; the lock's hot
+        path is two commands per task, so it takes the short way: a connection
+        this thread keeps (a forked child takes a new one), the command packed in
+        one join. A connection found broken is replaced and the command sent once
+        more: a command that never reached a live server is safe to repeat, and
+        both acquire (by its token) and release are safe even if it did. A timeout
+        is not retried: the caller decides.
+
+        Under Sentinel the connection asks the Sentinels for the master whenever
+        it (re)connects, and a READONLY reply (a demoted master) disconnects it:
+        the second send goes to the new master. With ``wait`` a ``WAIT`` follows
+        the script in the same write, and both replies are read.
+        """
+        data = self._packed(sha, keys, args, wait)
+        conn = self._held_conn()
+        try:
+            conn.send_packed_command([data], check_health=False)
+            return self._read(conn, wait)
+        except RedisConnectionError:
+            conn.disconnect()
+            conn.connect()  # not left to send_packed_command: that one skips Sentinel's master lookup
+            conn.send_packed_command([data], check_health=False)
+            return self._read(conn, wait)
+
+    def error(self, exc: Exception, key: str) -> LockError:
+        """Our error for a redis-py one: transient (try again) or a refusal (fix something)."""
+        return refusals.classify(exc, self.url, key)
+
+    @staticmethod
+    def keys_for(key: str) -> tuple[str, str, str, str]:
+        return key, key + ":q", key + ":w", key + ":d"
+
+    # -- operations ------------------------------------------------------
+
+    def acquire(
+        self,
+        name: str,
+        ttl: float,
+        *,
+        owner_id: str | None = None,
+        token: str | None = None,
+        entry: str | None = None,
+        check_done: bool = False,
+    ) -> Lock | Holder | Verdict:
+        """Try once to take ``name``, in one round trip.
+
+        Returns the :class:`Lock` when taken; the :class:`Holder` when another
+        holds it (or, ``queued``, when it is free but waiters are in line:
+        nobody jumps the line); a :class:`Verdict` otherwise. ``entry`` claims
+        a waiter's turn (see :meth:`park`). ``check_done`` first checks whether
+        ``owner_id`` already succeeded here (see ``release(remember=...)``).
+        Passing the ``token`` of an earlier attempt whose reply was lost takes
+        the lock back if that attempt did take it.
+
+        A reply that comes later than a third of the TTL is not trusted: the
+        watchdog's first renewal would already be overdue. The lock is given
+        back and :class:`LockBackendUnavailable` raised.
+        """
+        ttl = check_ttl(ttl)
+        key = slot_safe(name)
+        retake = token is not None
+        token = token or secrets.token_hex(TOKEN_BYTES)
+        sent = time.monotonic()
+        try:
+            reply = self.run(
+                scripts.ACQUIRE,
+                self.keys_for(key),
+                (token, wire.meta(owner_id), ms(ttl), owner_id or "", entry or "", "1" if retake else "",
+                 "1" if check_done else ""),
+                replicated=True,
+            )
+        except Unreplicated as short:
+            reply = short.reply
+            if int(reply[0]) == 1:
+                self._give_back(Lock(self, key, token, int(reply[1]), ttl, owner_id, confirmed_at=sent))
+                raise LockBackendUnavailable(
+                    self.url, f"only {short.acked} of the {self.min_replicas} replica(s) required "
+                    f"(singleton_lock_min_replicas) acknowledged the lock within {self.replica_timeout:g}s: "
+                    "a failover could lose it, so it was given back and the task does not run unlocked",
+                )
+        status = int(reply[0])
+        if status == 1:
+            lock = Lock(self, key, token, int(reply[1]), ttl, owner_id, confirmed_at=sent)
+            late = time.monotonic() - sent
+            if late >= ttl / 3:
+                self._give_back(lock)
+                raise LockBackendUnavailable(
+                    self.url, f"the acquire's reply came after {late:.2f}s, more than a third of the lock's "
+                    f"ttl of {ttl:g}s; the lock was given back rather than trusted",
+                )
+            return lock
+        if status == 2:
+            return Verdict.ALREADY_SUCCEEDED
+        if status == 3:
+            return Verdict.ENTRY_GONE
+        return Holder.parse(key, reply[1], int(reply[2]))
+
+    def _give_back(self, lock: Lock) -> None:
+        """Release a lock that is not to be trusted (its reply came too late, or unreplicated)."""
+        try:
+            self.release(lock)
+        except LockError:
+            pass  # it expires within its ttl
+
+    def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0) -> Released:
+        """Delete the lock if ``lock`` still holds it, and pass the key to the next waiter: one round trip.
+
+        Idempotent. On an error it raises and the handle keeps its token, so the
+        caller can simply call again. ``succeeded`` with ``remember`` > 0 keeps a
+        done record for ``remember`` seconds, so a redelivery of the same owner is
+        told so by ``acquire(check_done=True)``; ``succeeded`` also drops parked
+        redelivered copies of this owner. In another process than the one that
+        took it, nothing is done (status -2).
+        """
+        if lock.pid != os.getpid():
+            return Released(-2)
+        args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0")
+        reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args)
+        lock.released = True
+        handoffs = tuple(Handoff.parse(lock.key, item) for item in reply[1:])
+        # TEST-ONLY fault injection (tests/test_handoff.py): CSL_TEST_KILL_AT=handoff kills this process
+        # after the release script handed the key on and before the waiter's message is published
+        if handoffs and os.environ.get("CSL_TEST_KILL_AT") == "handoff":
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.dispatch(handoffs)
+        return Released(int(reply[0]), handoffs)
+
+    def renew(self, lock: Lock) -> bool:
+        """Set the lock's TTL again; True renewed, False no longer the owner (or not this process's lock)."""
+        if lock.pid != os.getpid():
+            return False
+        sent = time.monotonic()
+        try:
+            reply = self.run(scripts.RENEW_MANY, (lock.key,), (lock.prefix, ms(lock.ttl)), replicated=True)
+        except Unreplicated as short:
+            raise LockBackendUnavailable(self.url, self._unreplicated_reason(short.acked)) from None
+        ok = bool(reply[0] == 1)
+        if ok:
+            lock.confirmed_at = sent
+            lock.last_error = None
+        return ok
+
+    def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]:
+        """Renew many locks in ONE pipelined round trip (one EVALSHA per chunk).
+
+        Returns, per lock in order: True renewed, False not the owner, or a
+        :class:`LockError` for a chunk that failed. A failed chunk does not
+        stop the others. Confirmed locks get ``confirmed_at`` = send time.
+        """
+        if not locks:
+            return []
+        chunks = [locks[i : i + chunk] for i in range(0, len(locks), chunk)]
+        sent = time.monotonic()
+        try:
+            sha = self._sha(scripts.RENEW_MANY)
+            replies = self._pipeline_evalsha(sha, chunks)
+            if any(isinstance(r, NoScriptError) for r in replies):
+                self._shas.pop(scripts.RENEW_MANY, None)
+                sha = self._sha(scripts.RENEW_MANY)
+                replies = self._pipeline_evalsha(sha, chunks)
+        except RedisError as exc:
+            return [self.error(exc, locks[0].key)] * len(locks)
+        if self.min_replicas > 0:
+            acked = replies.pop()
+            if not isinstance(acked, int) or acked < self.min_replicas:
+                why = str(acked) if isinstance(acked, Exception) else self._unreplicated_reason(int(acked))
+                return [LockBackendUnavailable(self.url, why)] * len(locks)
+        out: list[bool | LockError] = []
+        for part, reply in zip(chunks, replies, strict=False):
+            if isinstance(reply, Exception):
+                out.extend([self.error(reply, part[0].key)] * len(part))
+                continue
+            for lock, flag in zip(part, reply, strict=False):
+                ok = int(flag) == 1
+                if ok:
+                    lock.confirmed_at = sent
+                    lock.last_error = None
+                out.append(ok)
+        return out
+
+    def _pipeline_evalsha(self, sha: str, chunks: Iterable[Sequence[Lock]]) -> list[Any]:
+        """The batched renewal: every chunk's EVALSHA packed here and sent in one write on this
+        thread's held connection, then each reply read (an error reply is kept, not raised).
+        redis-py's pipeline packs a 1,000-argument command in pure Python, at several times the cost."""
+        parts = [wire.pack(sha, [lk.key for lk in part], [lk.prefix for lk in part] + [ms(lk.ttl) for lk in part])
+                 for part in chunks]
+        if self.min_replicas > 0:
+            parts.append(wire.pack_wait(self.min_replicas, ms(self.replica_timeout)))
+        conn = self._held_conn()
+        data = b"".join(parts)
+        for attempt in (1, 2):  # a connection found broken (a restart, a failover) is replaced once
+            try:
+                conn.send_packed_command([data], check_health=False)
+                replies: list[Any] = []
+                for _ in parts:
+                    try:
+                        replies.append(conn.read_response())
+                    except ResponseError as exc:
+                        replies.append(exc)
+                return replies
+            except RedisConnectionError:
+                conn.disconnect()
+                if attempt == 2:
+                    raise
+                conn.connect()
+            except RedisError:
+                conn.disconnect()  # the next round connects anew
+                raise
+        raise AssertionError("unreachable")
+
+    def _held_conn(self) -> Any:
+        """This thread's own connection, taken from the pool and kept (a forked child takes a new one)."""
+        held = self._held
+        conn = getattr(held, "conn", None)
+        if conn is None or conn.pid != os.getpid():
+            conn = held.conn = self.client.connection_pool.get_connection()
+        return conn
+
+    def _unreplicated_reason(self, acked: int) -> str:
+        return (
+            f"renewal acknowledged by {acked} of the {self.min_replicas} replica(s) required "
+            f"(singleton_lock_min_replicas) within {self.replica_timeout:g}s"
+        )
+
+    def confirm(self, name: str, entry: str) -> bool:
+        """The hand-off's message for ``entry`` was sent: no sweeper sends it again."""
+        return bool(self.run(scripts.CONFIRM, (slot_safe(name) + ":w",), (entry,)))
+
+    def dispatch(self, handoffs: Iterable[Handoff]) -> None:
+        """Send the waiting tasks the key was passed to (plain waiters were woken by the script)."""
+        for handoff in handoffs:
+            if handoff.kind == "p":
+                continue
+            if self.send_handoff is None:
+                logger.info(
+                    "lock %s: waiting task %s (%s) left for a sweeper: nothing in this process sends tasks",
+                    handoff.key, handoff.owner_id, handoff.what,
+                )
+                continue
+            try:
+                sent = self.send_handoff(self, handoff)
+            except Exception:
+                logger.exception("lock %s: sending waiting task %s failed; a sweeper will", handoff.key,
+                                 handoff.owner_id)
+                continue
+            if sent and handoff.what == "run":
+                try:
+                    self.confirm(handoff.key, handoff.entry)
+                except LockError as exc:
+                    logger.warning("lock %s: could not mark the hand-off to %s as sent: %s", handoff.key,
+                                   handoff.owner_id, exc)
+
+    # -- for operators and tests -------------------------------------------
+
+    def holder(self, name: str) -> Holder | None:
+        """Who holds ``name`` now; None when free."""
+        key = slot_safe(name)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(key)
+            pipe.pttl(key)
+            value, pttl = pipe.execute()
+        except RedisError as exc:
+            raise self.error(exc, key) from exc
+        return None if value is None else Holder.parse(key, value, pttl)
+
+
+def _describe(client: redis.Redis) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+    return f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"

@@ -1,0 +1,144 @@
+"""Reading the locks a Redis holds, for operators: what a key means, one row per lock, and the table.
+
+Pure functions of what Redis answered (the layout is described in
+:mod:`celery_singleton_lock.scripts`); ``cli.py`` does the reading and the printing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from .lock import Holder
+
+_COMPANIONS = re.compile(r"^(?P<lock>.+:\{[^{}]+\}):(?:q|w|d|wake:.*)$")
+_LOCK = re.compile(r"^(?P<task>[^{}]+):\{[^{}]+\}$")
+KINDS = {"t": "task", "s": "redelivered copy", "p": "plain code"}
+STATES = {"p": "parked", "h": "handed the key (its message not yet confirmed sent)", "c": "handed the key, sent"}
+
+
+def parse_key(key: str, prefixes: Sequence[str]) -> str:
+    """The task name in lock key ``key`` (``<prefix>:<task name>:{<hash>}``); ValueError if not one of ours.
+
+    The longest matching prefix wins (``a`` and ``a:b`` may both be prefixes).
+    """
+    for prefix in sorted(prefixes, key=len, reverse=True):
+        if key.startswith(prefix + ":"):
+            rest = key[len(prefix) + 1:]
+            match = _LOCK.match(rest)
+            if match:
+                return match["task"]
+            companion = _COMPANIONS.match(key)
+            if companion:
+                raise ValueError(
+                    f"{key!r} is not a lock but a key beside one (its line, waiters, done records or a wake-up "
+                    f"list); the lock is {companion['lock']!r}"
+                )
+            raise ValueError(
+                f"{key!r} is not a lock key: a lock key is {prefix}:<task name>:{{<hash>}}, with the hash "
+                "tag in braces at its end"
+            )
+    shown = ", ".join(repr(p) for p in sorted(prefixes))
+    raise ValueError(f"{key!r} is not a lock key of this app: it does not start with a lock prefix ({shown}) and ':'")
+
+
+def glob_escape(text: str) -> str:
+    """``text`` matched literally by a Redis MATCH pattern."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+# -- durations -----------------------------------------------------------------------
+
+
+def duration(ms: float | None) -> str:
+    """A duration for people: ``850ms``, ``4.2s``, ``3m04s``, ``2h01m``, ``3d04h``; ``-`` for none."""
+    if ms is None:
+        return "-"
+    if ms < 0:
+        return "-"
+    if ms < 1000:
+        return f"{ms:.0f}ms"
+    s = ms / 1000
+    if s < 60:
+        return f"{s:.1f}s"
+    s = int(s)
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def expiry(ttl_ms: int) -> str:
+    """What PTTL says, for people (-1: no expiry, which no lock of ours has; -2: gone)."""
+    if ttl_ms == -1:
+        return "never"
+    if ttl_ms == -2:
+        return "gone"
+    return duration(ttl_ms)
+
+
+# -- the app's locks ---------------------------------------------------------------------
+
+
+def lock_row(key: str, task: str, value: bytes | str, pttl: int, waiters: int, now_us: int) -> dict[str, Any]:
+    """One held lock as the commands show it (``--json`` prints these objects)."""
+    holder = Holder.parse(key, value, pttl)
+    fence = holder.fencing_token
+    return {
+        "key": key,
+        "task": task,
+        "task_id": holder.owner_id,
+        "host": holder.host,
+        "pid": holder.pid,
+        "held_ms": None if fence is None else max(0, (now_us - fence) // 1000),
+        "ttl_ms": int(pttl),
+        "fencing_token": fence,
+        "waiters": int(waiters),
+        "reserved": holder.reserved,
+    }
+
+
+def describe(row: dict[str, Any]) -> str:
+    """One sentence about a held lock."""
+    if row["reserved"]:
+        return (f"reserved for waiting task {row['task_id']} (being handed the key), expires in "
+                f"{expiry(row['ttl_ms'])}; {row['waiters']} waiting")
+    return (f"held by task {row['task_id']} on host {row['host']} (pid {row['pid']}) for {duration(row['held_ms'])}, "
+            f"expires in {expiry(row['ttl_ms'])}, fencing token {row['fencing_token']}; {row['waiters']} waiting")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    header = ("KEY", "TASK", "HOLDER", "HOST", "PID", "HELD", "EXPIRES", "FENCE", "WAITING")
+    lines = [header]
+    for row in rows:
+        holder = f"reserved for {row['task_id']}" if row["reserved"] else str(row["task_id"])
+        lines.append((
+            row["key"], row["task"], holder, str(row["host"] or "-"), str(row["pid"] or "-"),
+            duration(row["held_ms"]), expiry(row["ttl_ms"]), str(row["fencing_token"] or "-"), str(row["waiters"]),
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
+def to_json(data: Any) -> str:
+    return json.dumps(data, indent=2, sort_keys=False)
+
+
+# -- the commands ------------------------------------------------------------------------
+
+
+def message_summary(message: bytes) -> dict[str, Any]:
+    """The parked task's name and arguments, if its message is JSON (nothing else is ever decoded here)."""
+    try:
+        content_type, _encoding, data = message.split(b"\n", 2)
+        if content_type != b"application/json":
+            return {}
+        body = json.loads(data)
+        return {"task": body.get("task"), "args": body.get("args"), "kwargs": body.get("kwargs")}
+    except (ValueError, AttributeError):
+        return {}
+
+

@@ -1,0 +1,246 @@
+"""Locks behind Redis Sentinel: 1 master, 1 replica, 3 Sentinels, private processes on free loopback
+ports, stopped by PID.
+
+What it proves: Celery's ``sentinel://...;sentinel://...`` URL with the master name from the transport
+options (ours, or the result backend's / broker's when the URL is inherited) builds a Sentinel
+client; the whole task contract passes on it with a real worker; after a forced failover
+(``SENTINEL FAILOVER``) the thread-held hot-path connection and the watchdog's twin both reach the
+new master (READONLY from the demoted one, NOSCRIPT on the new one) and keep renewing; fencing
+tokens keep growing. And it measures overlapping executions across a failover with and without
+``WAIT`` (docs/topologies.md reports the figures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+import uuid
+
+import pytest
+from _task_support import collect_results  # noqa: F401 - autouse: gc while Redis runs
+from _topology_support import check_contract
+from celery import Celery
+from conftest import make_app
+
+from celery_singleton_lock import LockedTask, config, servers
+from celery_singleton_lock.deployments import SentinelDeployment, _role
+from celery_singleton_lock.exceptions import LockBackendUnavailable, LockError
+from celery_singleton_lock.lock import Lock
+from celery_singleton_lock.scripts import ACQUIRE
+from celery_singleton_lock.servers import SentinelLockServer
+from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock.watchdog import Watchdog
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+LOCK_DB = 2
+
+
+@pytest.fixture(scope="module")
+def sentinel():
+    with SentinelDeployment(replicas=1, sentinels=3) as deployment:
+        yield deployment
+
+
+def server_for(sentinel: SentinelDeployment, **kwargs) -> SentinelLockServer:
+    srv = servers.from_settings(sentinel.url(LOCK_DB), transport_options=sentinel.transport_options, **kwargs)
+    assert isinstance(srv, SentinelLockServer)
+    return srv
+
+
+def test_celery_sentinel_urls_and_transport_options_build_a_sentinel_server(sentinel):
+    def resolved(**conf) -> config.LockSettings:
+        app = Celery(f"s{uuid.uuid4().hex[:6]}", set_as_current=False)
+        app.conf.update(**conf)
+
+        @app.task(base=LockedTask, shared=False, name="sentinel.t")
+        def t(a):
+            return a
+
+        app.finalize()
+        return config.resolve(t)
+
+    own = resolved(singleton_lock_url=sentinel.url(LOCK_DB),
+                   singleton_lock_transport_options={"master_name": sentinel.master_name})
+    inherited = resolved(result_backend=sentinel.url(LOCK_DB), broker_url="amqp://guest@nowhere//",
+                         result_backend_transport_options={"master_name": sentinel.master_name, "other": 1})
+    from_broker = resolved(broker_url=sentinel.url(LOCK_DB).split(";"),
+                           broker_transport_options={"master_name": sentinel.master_name, "visibility_timeout": 9})
+    assert own.transport_options == inherited.transport_options == from_broker.transport_options == {
+        "master_name": sentinel.master_name}
+    for settings in (own, inherited, from_broker):
+        srv = config.server_for(settings)
+        assert isinstance(srv, SentinelLockServer)
+        lock = srv.acquire(f"cfg-{uuid.uuid4().hex[:6]}", 5)
+        assert isinstance(lock, Lock)
+        with sentinel.master.client(LOCK_DB) as c:
+            assert c.exists(lock.key)
+        assert srv.release(lock).status == 1
+    with pytest.raises(ValueError, match="master_name"):
+        servers.from_settings(sentinel.url(LOCK_DB))
+
+
+def test_the_task_contract_behind_sentinel(sentinel, redis_server):
+    app = make_app(redis_server, task_default_queue=f"q-{uuid.uuid4().hex[:8]}")
+    app.conf.singleton_lock_url = sentinel.url(LOCK_DB)  # broker and results stay on the plain private Redis
+    app.conf.singleton_lock_transport_options = {"master_name": sentinel.master_name}
+    check_contract(app)
+
+
+def test_a_failover_is_followed_by_the_hot_path_and_the_watchdog(sentinel):
+    """Two processes' worth of servers hold locks through a forced failover: one listens for Sentinel's
+    switch announcement (ours), one only reacts to READONLY from the demoted master (redis-py's way).
+    Both end on the new master, on the hot path and in the watchdog's renewals, and lose nothing."""
+    listening = server_for(sentinel)
+    plain = server_for(sentinel)
+    plain.follow_switches = False
+    held = [srv.acquire(f"fo-{i}-{uuid.uuid4().hex[:6]}", 30, owner_id=f"o{i}")
+            for i, srv in enumerate((listening, listening, plain, plain))]
+    assert all(isinstance(lock, Lock) for lock in held)
+    before = max(lock.fencing_token for lock in held)
+    dog = Watchdog()
+    for lock in held:
+        dog.track(lock)
+    old = sentinel.master
+    heard = listening._watch.generation
+    try:
+        new = sentinel.failover()  # promoted; the old master is still a master for a while
+        assert new.port != old.port
+        wait_until(lambda: listening._watch.generation > heard, 10, 0.02, "the switch announcement")
+        moved = listening.acquire(f"moved-{uuid.uuid4().hex[:6]}", 30)
+        with new.client(LOCK_DB) as c:
+            assert c.exists(moved.key), "the listening server moved at the announcement"
+        not_demoted_yet = _role(old) == "master"
+        stayed = plain.acquire(f"stayed-{uuid.uuid4().hex[:6]}", 30)
+        if not_demoted_yet:  # (on a very slow machine Sentinel may have demoted it already)
+            with old.client(LOCK_DB) as o:
+                assert o.exists(stayed.key), "redis-py alone stays on the old master until its demotion"
+        sentinel.failover_settle(old)  # the old master demoted and caught up as a replica
+        # READONLY from the demoted master, then the new master, which has no scripts yet (NOSCRIPT)
+        after = plain.acquire(f"after-{uuid.uuid4().hex[:6]}", 30)
+        assert isinstance(after, Lock)
+        with new.client(LOCK_DB) as c:
+            assert c.exists(after.key), "taken on the new master after READONLY"
+            assert c.script_exists(plain._shas[ACQUIRE]) == [True]
+        assert after.fencing_token > before, "tokens keep growing across the failover (one clock here)"
+        # every watchdog twin renews on the new master: the TTL there is set again
+        with new.client(LOCK_DB) as c:
+            wait_until(lambda: all(c.pttl(lock.key) > 25_000 for lock in held), 30, 0.2,
+                       "renewals of every held lock on the new master")
+        assert all(not lock.lost for lock in held), [lock.lost_reason for lock in held]
+        for lock in (moved, after):
+            assert lock.server.release(lock).status == 1
+        stayed.server.release(stayed)  # on the old master it is gone with the demotion
+    finally:
+        for lock in held:
+            dog.forget(lock)
+        dog.shutdown()
+    assert all(lock.server.release(lock).status == 1 for lock in held), "released on the new master"
+    listening.close()
+    plain.close()
+
+
+# -- overlapping executions across a failover, with and without WAIT --------------------------------
+
+
+def failover_workload(sentinel: SentinelDeployment, min_replicas: int, listen: bool = True) -> dict[str, object]:
+    """Six workers take two keys in turn (bodies of 0.3 s under a 2 s TTL, renewed by a watchdog, each
+    body stopping at once if its lock is lost) while Sentinel fails the master over. Three keep their
+    connections (long-lived processes); three drop them after every run (processes that connect anew,
+    so they ask the Sentinels). Returns the counts; overlaps are pairs of bodies of one key that ran
+    at the same time."""
+    keys = [f"wl-{min_replicas}-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
+    stop = threading.Event()
+    runs: list[tuple[str, float, float, bool]] = []
+    counts = {"unavailable": 0, "lost": 0, "errors": 0}
+    guard = threading.Lock()
+    dog = Watchdog()
+    made: list[SentinelLockServer] = []
+
+    def worker(fresh: bool) -> None:
+        srv = server_for(sentinel, min_replicas=min_replicas, replica_timeout=0.2)
+        srv.follow_switches = listen
+        made.append(srv)
+        rng = random.Random()
+        while not stop.is_set():
+            key = rng.choice(keys)
+            try:
+                got = srv.acquire(key, 2.0)
+            except LockBackendUnavailable:
+                with guard:
+                    counts["unavailable"] += 1
+                time.sleep(0.05)
+                continue
+            except LockError:
+                with guard:
+                    counts["errors"] += 1
+                time.sleep(0.05)
+                continue
+            if not isinstance(got, Lock):
+                time.sleep(0.01)
+                continue
+            dog.track(got)
+            start = time.monotonic()
+            for _ in range(6):
+                if got.lost:
+                    break
+                time.sleep(0.05)
+            end = time.monotonic()
+            lost = got.lost
+            dog.forget(got)
+            with guard:
+                runs.append((key, start, end, lost))
+                counts["lost"] += lost
+            try:
+                srv.release(got)
+            except LockError:
+                pass
+            if fresh:
+                srv.close()  # the next run connects anew: it asks the Sentinels where the master is
+
+    threads = [threading.Thread(target=worker, args=(i >= 3,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.5)
+        failover_at = time.monotonic()
+        sentinel.failover(wait_demoted=True)  # returns once the old master has rejoined as a replica
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        dog.shutdown()
+        for srv in made:
+            srv.close()
+    overlaps = 0
+    for key in keys:
+        mine = sorted((s, e) for k, s, e, _ in runs if k == key)
+        overlaps += sum(1 for i, (_, e1) in enumerate(mine) for s2, _ in mine[i + 1:] if s2 < e1)
+    after = [r for r in runs if r[1] >= failover_at]
+    return {
+        "min_replicas": min_replicas, "listens_for_switches": listen, "runs": len(runs),
+        "runs_after_failover": len(after),
+        "overlapping_pairs": overlaps, "lost": counts["lost"], "unavailable": counts["unavailable"],
+        "errors": counts["errors"],
+    }
+
+
+def test_overlaps_across_a_failover_with_and_without_wait(sentinel, record_property):
+    """Three runs, one failover each: redis-py's own following (a connection moves on READONLY, once
+    Sentinel demoted the old master), ours (moves when a switch is announced), and ours with WAIT."""
+    figures = [failover_workload(sentinel, 0, listen=False), failover_workload(sentinel, 0),
+               failover_workload(sentinel, 1)]
+    for i, f in enumerate(figures):
+        record_property(f"failover_workload_{i}", json.dumps(f))
+        print("failover workload:", json.dumps(f))
+    out = os.environ.get("CSL_FAILOVER_FIGURES")
+    if out:
+        with open(out, "a") as fh:
+            fh.write(json.dumps(figures) + "\n")
+    _, without, with_wait = figures
+    assert without["runs"] > 0 and with_wait["runs"] > 0, "the workload ran"
+    assert with_wait["overlapping_pairs"] == 0, with_wait
