@@ -6,6 +6,8 @@ or importing this module on the client side):
 ``BENCH_BROKER_URL``   broker (its own redis-server, never the lock server)
 ``BENCH_LOCK_URL``     the lock server: every lock of every variant lives here
 ``BENCH_RECORD_DIR``   where each worker process appends one line per finished task
+``BENCH_OURS_LOCK_URL``  ours only, if set (the footprint run: another server than a peer's)
+``BENCH_REDELIVERY_WINDOW``  singleton_lock_redelivery_window, if set (the footprint run)
 
 Every variant's task has the same trivial body and takes one distinct integer,
 so nothing is ever deduplicated and the only difference between variants is
@@ -38,8 +40,9 @@ RECORD_DIR = os.environ.get("BENCH_RECORD_DIR", "")
 
 app = Celery("bench_app", broker=BROKER_URL, set_as_current=True)
 app.conf.update(
-    # ours
-    singleton_lock_url=LOCK_URL,
+    # ours (the footprint run points it elsewhere for a peer's worker: our sweeper would leave its
+    # epoch key and script on the peer's lock server)
+    singleton_lock_url=os.environ.get("BENCH_OURS_LOCK_URL") or LOCK_URL,
     # celery-once (QueueOnce, Redis backend)
     ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": LOCK_URL, "default_timeout": 3600}},
     # celery-singleton
@@ -126,6 +129,17 @@ def cookbook(self, i: int) -> int | None:
 VARIANTS["cookbook"] = cookbook
 
 
+# -- for the footprint: a locked task acked late (it keeps a done record for the window) ------
+
+if os.environ.get("BENCH_REDELIVERY_WINDOW"):
+    app.conf.singleton_lock_redelivery_window = float(os.environ["BENCH_REDELIVERY_WINDOW"])
+
+
+@app.task(name="bench.ours_late", base=LockedTask, acks_late=True)
+def ours_late(i: int) -> int:
+    return i
+
+
 # -- for the renewal check: a locked task that runs for a given time ---------------
 
 
@@ -137,6 +151,7 @@ def ours_sleep(i: int, seconds: float) -> int:
 
 TASK_VARIANT = {task.name: name for name, task in VARIANTS.items()}
 TASK_VARIANT[ours_sleep.name] = "ours_sleep"
+TASK_VARIANT[ours_late.name] = "ours_late"
 
 # -- completion records: one line per finished task, one file per process -----------
 
@@ -168,83 +183,75 @@ def _ready(sender=None, **_) -> None:
 
 # -- the breakdown (BENCH_BREAKDOWN=1): wall time inside each piece of our worker path ------
 # Wrappers with perf_counter_ns, installed in the worker only when asked, written out
-# at shutdown. They add well under a microsecond per call.
+# at shutdown. They add well under a microsecond per call. Each call is filed under its
+# path of wrapped callers ("LockedTask.before_start > LockServer.acquire > ..."), so one
+# function met on two paths (LockServer.run in acquire and in release) is two rows.
+# Only the thread that runs the tasks is timed (not the watchdog's or the sweeper's).
 
 BREAKDOWN: dict[str, list[int]] = {}
+"""path of wrapped pieces, " > "-separated -> [ns, calls]"""
 
 
 def _install_breakdown() -> None:
     import functools
     import json
+    import threading
 
     from celery.signals import worker_process_shutdown, worker_shutdown
     from redis.connection import AbstractConnection
 
-    from celery_singleton_lock import config as csl_config
     from celery_singleton_lock import keys as csl_keys
-    from celery_singleton_lock import lock as csl_lock
+    from celery_singleton_lock import releasing as csl_releasing
+    from celery_singleton_lock import server as csl_server
     from celery_singleton_lock import signals as csl_signals
     from celery_singleton_lock import task as csl_task
     from celery_singleton_lock import watchdog as csl_watchdog
+    from celery_singleton_lock import wire as csl_wire
 
     clock = time.perf_counter_ns
-    inside_run = [0]
-    for label in (  # the order of the table
-        "LockedTask.before_start", "  keys.derive", "  config.server_for", "  LockServer.acquire",
-        "  Watchdog.track", "  signal lock_acquired.send",
-        "LockedTask.release_lock", "  Watchdog.forget", "  LockServer.release", "  signal lock_released.send",
-        "get_watchdog() (in both hooks)",
-        "LockServer._run (the EVALSHA of acquire and of release)", "  socket wait for the reply (read_response)",
-    ):
-        BREAKDOWN[label] = [0, 0]
+    main_ident = threading.main_thread().ident
+    stack: list[str] = []
 
-    def timed(label: str, fn, flag: list | None = None):
-        slot = BREAKDOWN.setdefault(label, [0, 0])
-
+    def timed(label: str, fn, *, only_inside: bool = False):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            if flag is not None:
-                flag[0] += 1
+            if (only_inside and not stack) or threading.get_ident() != main_ident:
+                return fn(*args, **kwargs)
+            path = stack[-1] + " > " + label if stack else label
+            slot = BREAKDOWN.get(path)
+            if slot is None:
+                slot = BREAKDOWN[path] = [0, 0]
+            stack.append(path)
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 slot[0] += clock() - t0
                 slot[1] += 1
-                if flag is not None:
-                    flag[0] -= 1
-        return wrapper
-
-    def wait_only(fn):
-        slot = BREAKDOWN["  socket wait for the reply (read_response)"]
-
-        @functools.wraps(fn)
-        def wrapper(self, *args, **kwargs):
-            if not inside_run[0]:
-                return fn(self, *args, **kwargs)
-            t0 = clock()
-            try:
-                return fn(self, *args, **kwargs)
-            finally:
-                slot[0] += clock() - t0
-                slot[1] += 1
+                stack.pop()
         return wrapper
 
     LockedTask.before_start = timed("LockedTask.before_start", LockedTask.before_start)
-    csl_keys.derive = timed("  keys.derive", csl_keys.derive)
-    csl_config.server_for = timed("  config.server_for", csl_config.server_for)
-    csl_lock.LockServer.acquire = timed("  LockServer.acquire", csl_lock.LockServer.acquire)
-    csl_lock.LockServer._run = timed("LockServer._run (the EVALSHA of acquire and of release)",
-                                     csl_lock.LockServer._run, inside_run)
-    AbstractConnection.read_response = wait_only(AbstractConnection.read_response)
-    csl_task.get_watchdog = timed("get_watchdog() (in both hooks)", csl_watchdog.get_watchdog)
-    csl_watchdog.Watchdog.track = timed("  Watchdog.track", csl_watchdog.Watchdog.track)
-    csl_watchdog.Watchdog.forget = timed("  Watchdog.forget", csl_watchdog.Watchdog.forget)
+    csl_keys.derive = timed("keys.derive", csl_keys.derive)
+    Server = csl_server.LockServer
+    Server.acquire = timed("LockServer.acquire", Server.acquire)
+    Server.release = timed("LockServer.release", Server.release)
+    Server.run = timed("LockServer.run", Server.run)
+    Server._call = timed("LockServer._call (pack, send, read the reply)", Server._call)
+    csl_wire.pack = timed("wire.pack (the EVALSHA in RESP)", csl_wire.pack)
+    # the socket wait, only inside a timed piece (not the broker connection's reads)
+    AbstractConnection.read_response = timed("socket wait for the reply (read_response)",
+                                             AbstractConnection.read_response, only_inside=True)
+    LockedTask._run_with = timed("LockedTask._run_with", LockedTask._run_with)
+    csl_task.get_watchdog = timed("get_watchdog()", csl_watchdog.get_watchdog)
+    csl_watchdog.Watchdog.track = timed("Watchdog.track", csl_watchdog.Watchdog.track)
+    csl_watchdog.Watchdog.forget = timed("Watchdog.forget", csl_watchdog.Watchdog.forget)
     for name in ("lock_acquired", "lock_released"):
         sig = getattr(csl_signals, name)
-        sig.send = timed(f"  signal {name}.send", sig.send)
+        sig.send = timed(f"signal {name}.send", sig.send)
+    LockedTask.__call__ = timed("LockedTask.__call__ (body, then release)", LockedTask.__call__)
     LockedTask.release_lock = timed("LockedTask.release_lock", LockedTask.release_lock)
-    csl_lock.LockServer.release = timed("  LockServer.release", csl_lock.LockServer.release)
+    csl_releasing.release = timed("releasing.release (short-timeout twin, 2 tries)", csl_releasing.release)
 
     def dump(**_) -> None:
         if RECORD_DIR:

@@ -107,22 +107,25 @@ class Records:
 class BenchWorker:
     """A real ``celery worker`` on bench_app, frozen with SIGSTOP while we publish."""
 
-    def __init__(self, pool: str, concurrency: int, env: dict[str, str], out_dir: Path) -> None:
-        self.record_dir = Path(tempfile.mkdtemp(prefix=f"records-{pool}-", dir=out_dir))
+    def __init__(self, pool: str, concurrency: int, env: dict[str, str], out_dir: Path, *, app: str = "bench_app",
+                 name: str | None = None, extra: Sequence[str] = ()) -> None:
+        name = name or pool
+        self.record_dir = Path(tempfile.mkdtemp(prefix=f"records-{name}-", dir=out_dir))
         self.records = Records(self.record_dir)
         self.pool = pool
+        self.name = name
         worker_env = dict(env)
         worker_env["BENCH_RECORD_DIR"] = str(self.record_dir)
         worker_env["PYTHONPATH"] = os.pathsep.join([str(BENCH_DIR), str(ROOT), worker_env.get("PYTHONPATH", "")])
         self.proc = WorkerProcess(
-            "bench_app",
+            app,
             pool=pool,
             concurrency=concurrency,
             env=worker_env,
             cwd=BENCH_DIR,
-            logfile=str(out_dir / f"worker-{pool}.log"),
+            logfile=str(out_dir / f"worker-{name}.log"),
             # Celery's default log level: no per-task log lines
-            extra=["--loglevel", "WARNING", "--prefetch-multiplier", "4"],
+            extra=["--loglevel", "WARNING", "--prefetch-multiplier", "4", *extra],
         )
         self.paused = False
 
@@ -131,8 +134,14 @@ class BenchWorker:
         return self.proc.pid
 
     def start(self, timeout: float = 60.0) -> BenchWorker:
-        self.proc.start()
+        return self.launch().wait_ready(timeout)
 
+    def launch(self) -> BenchWorker:
+        """Start the process without waiting for it (start several, then wait_ready each)."""
+        self.proc.start()
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> BenchWorker:
         def ready() -> bool:
             if self.proc.proc is not None and self.proc.proc.poll() is not None:
                 raise RuntimeError(f"worker exited with {self.proc.proc.returncode}:\n{self.proc.log()[-3000:]}")
@@ -179,6 +188,17 @@ class BenchWorker:
         finally:
             self.resume()
         return self.records.wait_for(seqs, timeout), latencies
+
+
+def stop_all(workers: Sequence[BenchWorker]) -> None:
+    """Stop several workers at once (each warm shutdown takes about a second)."""
+    import threading
+
+    threads = [threading.Thread(target=w.stop) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 # -- phase 1: the interleaved run -----------------------------------------------------
@@ -325,6 +345,8 @@ def _commands_of(worker: BenchWorker, lock_server: RedisServer, task: Any, n: in
         "exec_server": {k: v / n for k, v in _delta(after, middle).items()},
         "publish_server_us": _server_usec(middle, before, _names(sent_publish)) / n,
         "exec_server_us": _server_usec(after, middle, _names(sent_exec)) / n,
+        # per command sent at execution: usec per task (a script's includes what it runs)
+        "exec_server_us_by_cmd": {k: _server_usec(after, middle, {k: 1}) / n for k in _names(sent_exec)},
         "publish_rt": len(sent_publish) / n,
         "exec_rt": len(sent_exec) / n,
         "n": n,
@@ -355,7 +377,7 @@ def renewal_check(worker: BenchWorker, lock_server: RedisServer, short: float, l
 
     import bench_app
 
-    from celery_singleton_lock.lock import RENEW_MANY
+    from celery_singleton_lock.scripts import RENEW_MANY
 
     renew_sha = hashlib.sha1(RENEW_MANY.encode()).hexdigest()
     out = {}
@@ -382,7 +404,10 @@ def renewal_check(worker: BenchWorker, lock_server: RedisServer, short: float, l
 
 
 def breakdown(env: dict[str, str], out_dir: Path, variants: dict[str, Any], n: int) -> dict[str, Any]:
-    """Mean wall time per call of each piece of LockedTask's path, in a solo worker running n ours tasks."""
+    """Mean wall time per call of each piece of LockedTask's path, in a solo worker running n ours tasks.
+
+    ``pieces`` is keyed by the piece's path of callers (``"a > b"``), in the order the first task met them.
+    """
     import json
 
     worker = BenchWorker("solo", 1, dict(env, BENCH_BREAKDOWN="1"), out_dir)

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""The benchmarks: what the lock costs per task, and what the watchdog costs at scale, beside the peers.
+"""The benchmarks: what the lock costs per task, and what the watchdog costs at scale, beside the peers;
+hot keys (many tasks on one key), hand-off latency, the round-trip floor, and what is left in Redis.
 
-    python3 benchmarks/run.py            # full run (< 10 min): the table, benchmarks/RESULTS.md and cost.png
-    python3 benchmarks/run.py --smoke    # a few seconds, small N, no peers needed (CI runs this)
+    python3 benchmarks/run.py            # full run (about 10 min): the table, benchmarks/RESULTS.md and cost.png
+    python3 benchmarks/run.py --smoke    # about half a minute, small N, no peers needed (CI runs this)
     python3 benchmarks/run.py --profile  # also profile the worker's LockedTask path with py-spy
     python3 benchmarks/run.py --param scale_ours=100,1000 ...   # other sizes; results in benchmarks/out/custom
     python3 benchmarks/run.py --rerender benchmarks/results.json  # rewrite RESULTS.md (e.g. after editing NOTES.md)
@@ -20,7 +21,9 @@ measures the peers only if they happen to be importable.
 Everything runs on this machine's loopback: two private redis-servers on free
 ports (the broker's, and the lock server that every variant's locks live on,
 so its INFO commandstats counts lock traffic only), and real ``celery worker``
-subprocesses, all stopped by PID. The machine's own Redis is never touched.
+subprocesses, all stopped by PID. The hot-key phases (hotkeys.py) and the
+footprint (footprint.py) start private redis-servers of their own. The
+machine's own Redis is never touched.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import subprocess
 import sys
 import time
 import venv
+from contextlib import ExitStack
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -42,8 +46,11 @@ VENV_PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 REQUIREMENTS = BENCH_DIR / "requirements.txt"
 
 
+_T0 = time.monotonic()
+
+
 def say(msg: str) -> None:
-    print(f"[bench] {msg}", flush=True)
+    print(f"[bench +{time.monotonic() - _T0:.0f}s] {msg}", flush=True)
 
 
 # -- set-up: the benchmark's own virtualenv (stdlib only up to here) ---------------------
@@ -90,6 +97,11 @@ FULL = dict(
     cmd_n=100, renew_short=0.2, renew_long=1.3, renew_count=2,
     scale_ours=(100, 1000, 10000), scale_rlock=(100, 1000, 5000), scale_seconds=30.0, scale_ttl=3.0,
     lost_ttls=(1.0, 3.0), lost_trials=20, micro_n=2000, profile_n=3000, breakdown_n=2000,
+    floor_n=5000, quorum_n=2000, topo_n=10000, topo_seconds=15.0,
+    hot_nodes=2, hot_concurrency=2, hot_n=300, hot_body=0.05, hot_cap_ours=90.0, hot_cap=100.0,
+    handoff_n=200, handoff_body=0.02,
+    plain_procs=8, plain_rounds=20, plain_hold=0.002,
+    fp_n=20000, fp_waits=(30.0, 120.0), fp_window=60.0,
 )
 SMOKE = dict(
     rounds=1, blocks=8, per_block=1, skip_blocks=1,
@@ -97,6 +109,11 @@ SMOKE = dict(
     cmd_n=5, renew_short=0.1, renew_long=0.8, renew_count=1,
     scale_ours=(100,), scale_rlock=(50,), scale_seconds=1.0, scale_ttl=3.0,
     lost_ttls=(1.0,), lost_trials=4, micro_n=100, profile_n=300, breakdown_n=50,
+    floor_n=200, quorum_n=50, topo_n=300, topo_seconds=1.0,
+    hot_nodes=2, hot_concurrency=2, hot_n=20, hot_body=0.01, hot_cap_ours=30.0, hot_cap=3.0,
+    handoff_n=10, handoff_body=0.01,
+    plain_procs=4, plain_rounds=2, plain_hold=0.002,
+    fp_n=200, fp_waits=(), fp_window=60.0,
 )
 
 
@@ -111,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit_on_signal)
 
+    import footprint
     import harness
+    import hotkeys
     import report
 
     from celery_singleton_lock.testing import RedisServer
@@ -163,12 +182,12 @@ def run(args: argparse.Namespace) -> int:
                     + f" µs/task ({rr['tasks']} tasks in {rr['seconds']:.1f}s)")
             results["interleaved"] = report.summarize_interleaved(rounds, list(variants))
 
-            say(f"3. lock-server commands per task ({p['cmd_n']} tasks per variant, MONITOR + commandstats)")
+            say(f"2. lock-server commands per task ({p['cmd_n']} tasks per variant, MONITOR + commandstats)")
             results["commands"] = harness.commands(solo, locks, variants, p["cmd_n"])
             results["renewals"] = harness.renewal_check(
                 solo, locks, p["renew_short"], p["renew_long"], p["renew_count"])
 
-            say(f"2. throughput: {p['tp_rounds']} alternated rounds x {p['tp_n']} tasks per variant")
+            say(f"3. throughput: {p['tp_rounds']} alternated rounds x {p['tp_n']} tasks per variant")
             tp = {}
             tp["solo"] = harness.throughput(solo, variants, p["tp_rounds"], p["tp_n"], say)
             solo.stop()
@@ -195,7 +214,58 @@ def run(args: argparse.Namespace) -> int:
             for w in workers:
                 w.stop()
 
-        say("4. watchdog at scale: N locks held in one process, ttl "
+        say(f"4. the floor: two raw loopback round trips (pre-packed PING on a socket), {p['floor_n']} pairs")
+        results["floor"] = scale_run("floor", locks.url(0), n=p["floor_n"])
+        say(f"  {results['floor']['pair_us_p50']:.1f} µs per pair (lowest batch p50)")
+        say(f"4b. quorum mode: acquire and release on 1, 3 and 5 independent redis-servers, {p['quorum_n']} each")
+        with ExitStack() as stack:
+            members = [stack.enter_context(RedisServer()) for _ in range(5)]
+            results["quorum"] = scale_run("quorum", locks.url(0), n=p["quorum_n"],
+                                          urls=",".join(m.url(0) for m in members))
+        for name, row in results["quorum"]["setups"].items():
+            say(f"  {name}: acquire p50 {row['acquire_p50_us']:.0f} µs, release p50 {row['release_p50_us']:.0f} µs")
+        say(f"4c. topologies: the lock per task on one Redis, Sentinel and a 3-master Cluster; the watchdog at "
+            f"{p['topo_n']:,} locks on the Cluster")
+        from celery_singleton_lock.deployments import RedisClusterDeployment, SentinelDeployment
+
+        with SentinelDeployment(replicas=1, sentinels=3) as sentinel, RedisClusterDeployment(masters=3) as cluster:
+            results["topologies"] = scale_run(
+                "topologies", locks.url(0), trials=p["quorum_n"], n=p["topo_n"], seconds=p["topo_seconds"],
+                ttl=p["scale_ttl"], sentinel_url=sentinel.url(0), cluster_url=cluster.url(),
+            )
+        for name, row in results["topologies"]["cost"].items():
+            say(f"  {name}: acquire + release p50 {row['p50_us']:.0f} µs")
+        sc = results["topologies"]["scale"]
+        say(f"  cluster watchdog: {sc['held']:,} of {sc['n']:,} held; {sc['round_trips_per_period']:.1f} round trips "
+            f"per period (bound {sc['bound']}); {sc['cpu_core'] * 100:.1f}% of a core")
+
+        fp_variants = ["ours", "ours_late", *[v for v in report.PEERS if v in variants]]
+        waits = ", ".join(f"{w:g} s" for w in p["fp_waits"]) or "no wait"
+        say(f"5. footprint: {p['fp_n']:,} tasks on distinct keys per variant, all at once, each on its own "
+            f"lock server (looks: at once, {waits}; redelivery window {p['fp_window']:g} s)")
+        fp = footprint.Footprint(out_dir, fp_variants, p["fp_n"], p["fp_waits"], p["fp_window"], say)
+        try:
+            fp.start()
+            for v, res in fp.results.items():
+                say(f"  {v}: " + report.footprint_line(res))
+            say("6. hot keys: tasks on ONE key, real prefork workers (their own broker and lock server)")
+            results["hot"] = hotkeys.run(out_dir, p, say)
+            say(f"7. plain-code hand-off: {p['plain_procs']} processes on one key, {p['plain_rounds']} rounds")
+            plain_impls = ["ours", "redis-py"] + (["python-redis-lock"] if report.importable("redis_lock") else [])
+            results["plain_handoff"] = []
+            for impl in plain_impls:
+                r = scale_run("handoff", locks.url(0), impl=impl, procs=p["plain_procs"], rounds=p["plain_rounds"],
+                              hold=p["plain_hold"])
+                results["plain_handoff"].append(r)
+                say(f"  {impl}: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms ({r['handoffs']} hand-offs)")
+            if p["fp_waits"]:
+                say(f"  footprint: waiting for the looks after {waits}")
+        except BaseException:
+            fp.close()
+            raise
+        results["footprint"] = fp.finish()
+
+        say("8. watchdog at scale: N locks held in one process, ttl "
             f"{p['scale_ttl']:g}s, {p['scale_seconds']:g}s each (fresh process per run)")
         scale = []
         for n in p["scale_ours"]:
@@ -207,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
                 say(f"  python-redis-lock N={n}: {report.scale_line(scale[-1])}")
         results["scale"] = scale
 
-        say("5. lost-lock detection latency (outside DEL -> .lost)")
+        say("9. lost-lock detection latency (outside DEL -> .lost)")
         results["lost"] = [
             scale_run("lost", locks.url(0), ttl=ttl, trials=p["lost_trials"]) for ttl in p["lost_ttls"]
         ]
