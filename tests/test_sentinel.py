@@ -230,17 +230,19 @@ def failover_workload(sentinel: SentinelDeployment, min_replicas: int, listen: b
 
 
 def test_overlaps_across_a_failover_with_and_without_wait(sentinel, record_property):
-    """Three runs, one failover each: redis-py's own following (a connection moves on READONLY, once
-    Sentinel demoted the old master), ours (moves when a switch is announced), and ours with WAIT."""
-    figures = [failover_workload(sentinel, 0, listen=False), failover_workload(sentinel, 0),
-               failover_workload(sentinel, 1)]
+    """One failover per run: ours (moves when a switch is announced) and ours with WAIT. When
+    CSL_FAILOVER_FIGURES names a file (the figures of docs/topologies.md), first also redis-py's own
+    following (a connection moves on READONLY, once Sentinel demoted the old master): it asserts
+    nothing and costs ~20 s, so the everyday suite leaves it out."""
+    out = os.environ.get("CSL_FAILOVER_FIGURES")
+    figures = [failover_workload(sentinel, 0, listen=False)] if out else []
+    figures += [failover_workload(sentinel, 0), failover_workload(sentinel, 1)]
     for i, f in enumerate(figures):
         record_property(f"failover_workload_{i}", json.dumps(f))
         print("failover workload:", json.dumps(f))
-    out = os.environ.get("CSL_FAILOVER_FIGURES")
     if out:
         with open(out, "a") as fh:
             fh.write(json.dumps(figures) + "\n")
-    _, without, with_wait = figures
+    without, with_wait = figures[-2:]
     assert without["runs"] > 0 and with_wait["runs"] > 0, "the workload ran"
     assert with_wait["overlapping_pairs"] == 0, with_wait

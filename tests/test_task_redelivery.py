@@ -152,7 +152,9 @@ def test_redelivery_while_holder_runs_runs_after_it_when_the_holder_fails(env, r
     rec.wait("duplicate", holder.id)
     env.gates.open(k)
     rec.wait("released", holder.id, count=2)
-    meta = wait_until(lambda: (m := env.app.backend.get_task_meta(holder.id))["status"] == "SUCCESS" and m, TIMEOUT)
+    # cache=False: the failed run's FAILURE may be read first, and the backend caches ready states for good
+    meta = wait_until(lambda: (m := env.app.backend.get_task_meta(holder.id, cache=False))["status"] == "SUCCESS" and m,
+                      TIMEOUT)
     assert meta["result"] == f"gate-fail-once by {holder.id}"
     first, second = env.runs.of(k, holder.id)
     assert first.end <= second.start  # after the failed holder, never beside it
