@@ -49,7 +49,7 @@ def check_contract(app) -> None:
 
     skip, raise_, retry = make("skip", "skip"), make("raise", "raise"), make("retry", "retry")
 
-    @locked(app, lock_key=["k"], lock_ttl=1.5, name="topo.long")
+    @locked(app, lock_key=["k"], lock_ttl=2.0, name="topo.long")
     def long(self, k, seconds):
         time.sleep(seconds)  # several TTLs: only the watchdog keeps the lock
         return self.lock.lost
@@ -110,12 +110,12 @@ def check_contract(app) -> None:
             assert skip.delay(k, "again").get(timeout=TIMEOUT) == "again", "and free for the next call"
             assert server.holder(skip.lock_key_for((k, "x"))) is None, "released on success"
 
-            # renewal past the TTL: 3 s under a 1.5 s TTL, never lost, and the key is exclusive meanwhile
+            # renewal past the TTL: 5 s under a 2 s TTL, never lost, and the key is exclusive meanwhile
             k = f"long-{uuid.uuid4().hex[:6]}"
-            first = long.delay(k, 3.0)
+            first = long.delay(k, 5.0)  # ends well after the duplicate below, even on a slow machine
             key = long.lock_key_for((k, 0))
             wait_until(lambda: server.holder(key) is not None, TIMEOUT, 0.02, "the long task to hold its key")
-            time.sleep(2.0)  # past the TTL: only renewals keep it
+            time.sleep(2.5)  # past the TTL: only renewals keep it
             with pytest.raises(TaskRevokedError):
                 long.delay(k, 0).get(timeout=TIMEOUT)
             assert first.get(timeout=TIMEOUT) is False, "renewed past its TTL, never lost"

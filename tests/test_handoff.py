@@ -281,6 +281,7 @@ def test_chord_whose_header_waits_on_itself(nodes):
     try:
         result = chord(header)(wa.collect.s().set(queue=n.queue))
         wait_until(lambda: n.locks.llen(key + ":q") == 1, TIMEOUT, 0.02, "one header call to wait in line")
+        wait_starts(wa, k, 1)  # the holder may park its rival before it journals its own start
         assert len(starts(wa, k)) == 1 and not result.ready()
     finally:
         open_gate(wa, k)
@@ -310,10 +311,10 @@ def test_holder_killed_mid_body_waiters_run_once_after_its_lock_expired(nodes, c
         waiters = park_one_by_one(n, wa.in_line, k, key, lambda i: (k, 0.05, f"w{i}"), 3)
         assert any(first["pid"] in w.children() for w in n.workers)
         os.kill(first["pid"], signal.SIGKILL)  # the pool child only, by PID
-        killed_at = time.time()
+        killed_at = time.time()  # also before the PTTL: a stall after its reply must not move the expiry later
         pttl = n.locks.pttl(key)
         assert 0 < pttl <= LOCK_TTL * 1000  # nobody renews it now
-        expires_at = time.time() + pttl / 1000
+        expires_at = killed_at + pttl / 1000
         with pytest.raises(WorkerLostError):
             holder.get(timeout=TIMEOUT)
         assert [w.get(timeout=TIMEOUT)["tag"] for w in waiters] == ["w0", "w1", "w2"]
@@ -609,10 +610,10 @@ def test_plain_holder_killed_lets_the_waiters_in_within_its_ttl(plain_server, re
         time.sleep(ttl / 2)  # let the holder's watchdog renew at least once: it must not matter
         os.kill(proc.pid, signal.SIGKILL)  # our own subprocess, by PID
         proc.wait(10)
-        killed_at = time.monotonic()
+        killed_at = time.monotonic()  # also before the PTTL: a stall after its reply must not move the expiry later
         pttl = client.pttl(key)
         assert 0 < pttl <= ttl * 1000
-        expires_at = time.monotonic() + pttl / 1000
+        expires_at = killed_at + pttl / 1000
         for t in threads:
             t.join(TIMEOUT)
     finally:

@@ -669,8 +669,8 @@ def test_ensure_and_the_watchdog_agree_on_the_deadline(fresh_redis):
 # -- finding 17: release retries -------------------------------------------------------------------
 
 
-def _release_app(redis_server: RedisServer, lock_redis: RedisServer):
-    app = make_app(redis_server, singleton_lock_release_timeout=0.5)
+def _release_app(redis_server: RedisServer, lock_redis: RedisServer, release_timeout: float = 0.5):
+    app = make_app(redis_server, singleton_lock_release_timeout=release_timeout)
     app.conf.singleton_lock_url = lock_redis.url(2)  # a lock Redis of its own: only it stalls
     marks: dict = {}
 
@@ -695,9 +695,10 @@ def test_release_retry_after_a_late_first_try_reports_the_lock_deleted(fresh_red
     second try then finds the key gone. That lock was ours and is deleted: lock_released says
     deleted=True, and there is no "no longer held" WARNING."""
     caplog.set_level(logging.WARNING, logger="celery_singleton_lock")
-    app, job, marks = _release_app(redis_server, fresh_redis)
+    # a 1 s release timeout and a 1.5 s stall: the resume lands half a second from either edge
+    app, job, marks = _release_app(redis_server, fresh_redis, release_timeout=1.0)
     with Recorder(app) as rec:
-        result = job.apply(("k", 0.8))  # frozen past the first try's 0.5 s timeout, not the second's
+        result = job.apply(("k", 1.5))  # frozen past the first try's 1 s timeout, not the second's
         assert result.state == "SUCCESS" and result.result == "k", result.traceback
     try_failed = [m for m in messages(caplog) if "releasing lock" in m and "try 1 of 2" in m]
     assert try_failed, "the first release try did not time out: the scenario did not run"

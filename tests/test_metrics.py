@@ -70,7 +70,7 @@ def test_metrics_of_a_prefork_worker_add_up_across_its_children(redis_server, tm
         holder = refresh.clone((sku, 1.5)).apply_async(queue=queue)
         wait_until(lambda: redis_server.client(2).keys("*app.refresh*"), 20, 0.02, "the holder's lock")
         skipped = refresh.clone((sku, 0.0)).apply_async(queue=queue)
-        waiter_holder = deduct.clone((sku, 1.0)).apply_async(queue=queue)
+        waiter_holder = deduct.clone((sku, 3.0)).apply_async(queue=queue)  # long enough for the waiter to meet it
         wait_until(lambda: redis_server.client(2).keys("*app.deduct*"), 20, 0.02, "the second holder's lock")
         waiter = deduct.clone((sku, 0.0)).apply_async(queue=queue)
         assert holder.get(timeout=30) == sku

@@ -100,8 +100,8 @@ def test_threads_with_the_same_owner_id_do_not_reenter(redis_server):
             time.sleep(0.3)
             release.set()
 
+        started = time.monotonic()  # before the thread starts: its 0.3 s count from no later than here
         threading.Thread(target=let_go).start()
-        started = time.monotonic()
         with held(url, name, 10, owner_id="job-1", wait=TIMEOUT) as mine:
             waited = time.monotonic() - started
             assert mine is not box["first"] and mine.depth == 1

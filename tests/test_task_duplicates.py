@@ -222,7 +222,8 @@ def test_backoff_re_sends_do_not_eat_max_retries(env, rec):
     holder = start_holder(env, env.backoff_no_own_retries, k)
     dup = env.backoff_no_own_retries.delay(k, "dup")
     wait_until(lambda: len(rec.of("duplicate", dup.id)) >= 2, TIMEOUT, what="two back-off re-sends")
-    assert dup.state == "RETRY"
+    # RETRY is stored after the re-send, which may already be running its next attempt
+    wait_until(lambda: dup.state == "RETRY", TIMEOUT, what="the RETRY state")
     env.gates.open(k)
     assert holder.get(timeout=TIMEOUT) == "holder"
     assert dup.get(timeout=TIMEOUT) == "dup"

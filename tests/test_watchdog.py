@@ -326,6 +326,7 @@ def test_paused_redis_lock_lost_locally_then_watchdog_recovers(fresh_redis, serv
         paused_at = time.monotonic()
         try:
             wait_until(lambda: a.lost, ttl + SLACK + 3, what="the paused lock to be declared lost")
+            notify.drain()  # on_lost (which fills lost_at) runs on the reporter thread, just after
             assert fresh_redis.paused  # declared lost while Redis still says nothing
             assert a.confirmed_at < paused_at
             deadline = a.deadline  # the local deadline: last confirmed send + ttl - margin
