@@ -266,7 +266,7 @@ class QuorumLockServer(LockServer):
         sent = time.monotonic()
 
         def renew_on(server: LockServer) -> list[Any]:
-            replies = server._pipeline_evalsha(server._sha(scripts.RENEW_MANY), chunks)
+            replies = server._renew_replies(chunks)  # reloads the script on a member restarted empty
             flat: list[Any] = []
             for part, reply in zip(chunks, replies, strict=True):
                 flat.extend([reply] * len(part) if isinstance(reply, Exception) else [int(f) == 1 for f in reply])

@@ -325,12 +325,7 @@ class LockServer:
         chunks = [locks[i : i + chunk] for i in range(0, len(locks), chunk)]
         sent = time.monotonic()
         try:
-            sha = self._sha(scripts.RENEW_MANY)
-            replies = self._pipeline_evalsha(sha, chunks)
-            if any(isinstance(r, NoScriptError) for r in replies):
-                self._shas.pop(scripts.RENEW_MANY, None)
-                sha = self._sha(scripts.RENEW_MANY)
-                replies = self._pipeline_evalsha(sha, chunks)
+            replies = self._renew_replies(chunks)
         except RedisError as exc:
             return [self.error(exc, locks[0].key)] * len(locks)
         if self.min_replicas > 0:
@@ -350,6 +345,15 @@ class LockServer:
                     lock.last_error = None
                 out.append(ok)
         return out
+
+    def _renew_replies(self, chunks: Sequence[Sequence[Lock]]) -> list[Any]:
+        """RENEW_MANY over ``chunks`` in one pipelined round trip, sent once more after reloading the
+        script if Redis lost it (restart, SCRIPT FLUSH, failover): what every batched renewal uses."""
+        replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            self._shas.pop(scripts.RENEW_MANY, None)
+            replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
+        return replies
 
     def _pipeline_evalsha(self, sha: str, chunks: Iterable[Sequence[Lock]]) -> list[Any]:
         """The batched renewal: every chunk's EVALSHA packed here and sent in one write on this

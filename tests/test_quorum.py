@@ -267,3 +267,22 @@ def test_a_locked_task_on_a_quorum_runs_once_and_duplicates_back_off(masters, ru
     assert second > first
     (s1, e1), (s2, e2) = sorted(runs)
     assert e1 <= s2
+
+
+def test_renewals_reach_a_member_restarted_empty(quorum, masters):
+    """A member restarted without data has lost its scripts too: the renewal pipeline reloads
+    RENEW_MANY there (NOSCRIPT) instead of counting that member as failed for good."""
+    warm = take(quorum, name())
+    assert quorum.renew_many([warm]) == [True]  # every member has loaded the scripts, RENEW_MANY too
+    assert quorum.release(warm)
+    masters[1].restart()
+    masters[2].restart()
+    lock = take(quorum, name(), ttl=30.0)
+    holders = [m for m in masters if m.client(2).get(lock.key)]
+    time.sleep(1.0)  # let the TTL run down (below 29 s), so a renewal shows in PTTL
+    assert quorum.renew_many([lock]) == [True]
+    # the renewal returns at a majority; the other members follow within moments
+    wait_until(lambda: all(m.client(2).pttl(lock.key) > 29_500 for m in holders), 0.4, 0.01,
+               "the renewal on every member that holds the key")
+    assert any(m in holders for m in masters[1:3]), "a restarted member holds the key too"
+    assert quorum.release(lock)
