@@ -39,16 +39,6 @@ OPTIONS: dict[str, tuple[str, Any]] = {
     "lock_retry_backoff": ("singleton_lock_retry_backoff", 1.0),
     "lock_retry_backoff_max": ("singleton_lock_retry_backoff_max", 30.0),
 }
-# app-wide only
-APP_SETTINGS: dict[str, Any] = {
-    "singleton_lock_url": None,
-    "singleton_lock_redis_options": {},
-    "singleton_lock_redelivery_window": None,
-    "singleton_lock_release_timeout": 2.0,
-    "singleton_lock_transport_options": {},
-    "singleton_lock_min_replicas": 0,
-    "singleton_lock_replica_timeout": DEFAULT_REPLICA_TIMEOUT,
-}
 DEFAULT_REDELIVERY_WINDOW = 3600.0
 """Seconds a success is remembered for acks_late tasks, when the broker has no visibility timeout."""
 

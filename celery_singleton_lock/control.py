@@ -113,7 +113,7 @@ def watchdog_snapshot(wd: Watchdog) -> dict[str, Any]:
 
 
 def process_snapshot() -> dict[str, Any]:
-    """This process's watchdog snapshot (:meth:`Watchdog.snapshot`), or an empty one.
+    """This process's watchdog snapshot (:func:`watchdog_snapshot`), or an empty one.
 
     Never creates the watchdog: the first task to lock creates it, with its
     app's ``singleton_lock_watchdog_*`` options; one created here would have
@@ -203,7 +203,6 @@ class SnapshotWriter:
         self._start_lock = threading.Lock()
         self._started = False
         self._last_error = ""
-        self.writes = 0
 
     def start(self) -> SnapshotWriter:
         with self._start_lock:
@@ -262,7 +261,6 @@ class SnapshotWriter:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(_to_wall(snapshot, time.time())))
         os.replace(tmp, self.path)
-        self.writes += 1
 
 
 def _tick() -> float:

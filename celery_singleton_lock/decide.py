@@ -30,6 +30,8 @@ held by another / line        policy "retry", in a worker                    PAR
                                                                              key in turn
 held by another / line        policy "retry", eager                          WAIT_HERE (blocks in line)
 held by another / line        policy "backoff"                               BACKOFF (re-sent later)
+any of the above              on a quorum (no line), where the row says      BACKOFF (a quorum of masters
+                              PARK_* or WAIT_HERE                            cannot order a line)
 ============================  =============================================  ===========================
 """
 
@@ -79,9 +81,21 @@ class Delivery:
     """The task's own ``self.retry()`` (or autoretry): the continuation of an earlier run."""
     holder_on_stack: bool = False
     """Eager: the execution holding the key is up this thread's call stack."""
+    line: bool = True
+    """The lock server keeps waiting lines (False for a quorum of independent masters)."""
+
+
+_LINE_ACTIONS = (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.WAIT_HERE)
 
 
 def decide(found: Found, who: Delivery) -> Action:
+    action = _by_table(found, who)
+    if not who.line and action in _LINE_ACTIONS:
+        return Action.BACKOFF
+    return action
+
+
+def _by_table(found: Found, who: Delivery) -> Action:
     if found is Found.TAKEN:
         return Action.RUN
     if found is Found.ALREADY_SUCCEEDED:

@@ -40,8 +40,9 @@ TOKEN = handoff.HEADER_PREFIX + "token"
 
 
 def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settings: config.LockSettings,
-         server: LockServer, key: str, outcome: Any, entry: str | None) -> bool:
-    """Park this delivery in the key's line and end it (Ignore); False if the key was freed meanwhile."""
+         server: LockServer, key: str, outcome: Any, entry: str | None) -> None:
+    """Park this delivery in the key's line and end it (raises Ignore); returns only if the key was
+    freed meanwhile, for the caller to try again."""
     same = action is Action.PARK_SAME
     first = action is not Action.PARK
     holder_id = outcome.owner_id if isinstance(outcome, Holder) else request.id
@@ -52,7 +53,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         owner_id=request.id, message=message, first=first,
     )
     if not place:
-        return False
+        return
     # TEST-ONLY fault injection (tests/test_handoff.py): CSL_TEST_KILL_AT=parked kills this process
     # right after the park, before the delivery ends (its message lives on only in the key's line)
     if os.environ.get("CSL_TEST_KILL_AT") == "parked":

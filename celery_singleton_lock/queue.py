@@ -209,8 +209,6 @@ class Sweeper:
         self._parked: dict[tuple[LockServer, str, str], _Parked] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.rounds = 0
-        self.recovered = 0
 
     def watch(self, server: LockServer, index: str) -> None:
         with self._cond:
@@ -251,7 +249,6 @@ class Sweeper:
                 if self._stopping:
                     return
                 watched = list(self._watched)
-            self.rounds += 1
             for server, index in watched:
                 try:
                     self.sweep_once(server, index)
@@ -305,7 +302,6 @@ class Sweeper:
             "parked there again", server.url, seen, epoch, len(lost),
         )
         for p in lost:
-            self.recovered += 1
             server.dispatch([Handoff(p.key, "recovered", p.entry, "t", p.owner_id, p.ttl_ms, p.message)])
 
     def _prune(self) -> None:

@@ -64,8 +64,9 @@ local function hand_off(now, drop_owner, out)
     if not rec then
       redis.call('LPOP', LINE)                                  -- it left the line already
     elseif state == 'c' then
-      redis.call('LPOP', LINE)                                  -- handed and sent, but not claimed in time:
-    elseif kind == 's' and owner == drop_owner then             -- it keeps its record and claims when it comes
+      -- handed and sent, but not claimed in time: it keeps its record and claims when it comes
+      redis.call('LPOP', LINE)
+    elseif kind == 's' and owner == drop_owner then             -- a copy of the task that just succeeded: dropped
       redis.call('LPOP', LINE)
       redis.call('HDEL', WAITERS, e)
     elseif deadline <= now then
@@ -199,7 +200,7 @@ if ARGV[7] == '1' then
 else
   place = redis.call('RPUSH', LINE, ARGV[1])
 end
--- the line outlives its last waiter's deadline, and no longer
+-- the line outlives its last waiter's deadline by a minute, and no longer
 local keep = wait + 60000
 for _, key in ipairs({WAITERS, LINE}) do
   if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
@@ -358,9 +359,9 @@ return {taken, fence}
 """
 
 Q_FENCE = """
--- KEYS[1] lock, KEYS[2] its fencing floor; ARGV[1] "<token> ", ARGV[2] the quorum's token, ARGV[3] keep ms.
--- While the token holds the lock: the floor rises to the token (never falls), and the lock's value
--- shows it. Returns 1 written, 0 not ours (any more).
+-- KEYS[1] lock, KEYS[2] its fencing floor; ARGV[1] "<token> ", ARGV[2] the quorum's fencing token
+-- (the majority's highest answer), ARGV[3] keep ms. While the token holds the lock: the floor rises
+-- to the fencing token (never falls), and the lock's value shows it. Returns 1 written, 0 not ours (any more).
 local held = redis.call('GET', KEYS[1])
 if not held or string.sub(held, 1, #ARGV[1]) ~= ARGV[1] then return 0 end
 if tonumber(ARGV[2]) > tonumber(redis.call('GET', KEYS[2]) or '0') then

@@ -1,8 +1,9 @@
 """The lock operations against one Redis server: :class:`LockServer`.
 
 It knows redis-py and nothing of Celery, so it can be used (and tested, and
-benchmarked) on its own. Every operation is ONE round trip: one EVALSHA, or
-one pipeline for a batch. An unreachable or stalled Redis raises
+benchmarked) on its own. Every script call is ONE round trip: one EVALSHA, or
+one pipeline for a batch (a release that hands the key on then also publishes
+the waiter and confirms the hand-off: see :meth:`LockServer.dispatch`). An unreachable or stalled Redis raises
 :class:`LockBackendUnavailable` (transient: worth trying again); a refusal
 that trying again cannot fix (a wrong password, a server that is not Redis, a
 key that holds something else) raises :class:`LockBackendRefused`.
@@ -417,8 +418,10 @@ class LockServer:
             try:
                 sent = self.send_handoff(self, handoff)
             except Exception:
-                logger.exception("lock %s: sending waiting task %s failed; a sweeper will", handoff.key,
-                                 handoff.owner_id)
+                # an expired waiter's record is gone already: nobody can fail it later
+                later = "it stays WAITING" if handoff.what == "expired" else "a sweeper will send it"
+                logger.exception("lock %s: sending waiting task %s (%s) failed; %s", handoff.key,
+                                 handoff.owner_id, handoff.what, later)
                 continue
             if sent and handoff.what == "run":
                 try:

@@ -57,8 +57,6 @@ _REENTERED = "_singleton_lock_reentered"
 _BODY_STARTED = "_singleton_lock_body_started"
 """Set on ``self.request`` once the tracer called the body, so a nested direct call is told apart."""
 
-_LINE_ACTIONS = (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.WAIT_HERE)
-
 
 class LockedTask(Task):
     """A task whose executions are single-flight per lock key.
@@ -221,21 +219,21 @@ class LockedTask(Task):
                     handoff=entry is not None and not headers.get(handoff.RECOVERED),
                     recovered=bool(headers.get(handoff.RECOVERED)),
                     retry=bool(request.retries),
+                    line=server.supports_line,
                 )
             if isinstance(outcome, Holder):
                 who = replace(who, holder_on_stack=self._on_my_stack(outcome.owner_id))
             action = decide(_found(outcome, task_id), who)
-            if not server.supports_line and action in _LINE_ACTIONS:
-                action = Action.BACKOFF  # a quorum of masters cannot order a line: try again later
             if action is Action.RUN:
                 assert isinstance(outcome, Lock)
                 return self._run_with(outcome, request, settings)
             if action is Action.AGAIN:  # a recovered copy whose entry is gone: as a redelivery
                 entry, redelivered = None, True
-                who = Delivery(policy=settings.on_duplicate, redelivered=True)
+                who = Delivery(policy=settings.on_duplicate, redelivered=True, line=server.supports_line)
                 continue
             if action is Action.REENTER:
                 lock = self._lock_on_stack(key)
+                lock.ensure()  # as reentry.again: no nested run under a lock already known lost
                 lock.depth += 1  # one more nested hold of the one lock; the outermost releases
                 request.__dict__[HANDLE] = lock
                 request.__dict__[_REENTERED] = True
@@ -249,9 +247,8 @@ class LockedTask(Task):
                 policies.backoff(self, request, args, kwargs, settings, outcome)
                 continue
             if action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME):
-                if policies.park(self, action, request, args, kwargs, settings, server, key, outcome, entry):
-                    return None  # unreachable: _park raises Ignore once parked
-                entry = None  # the key was freed meanwhile: try again
+                policies.park(self, action, request, args, kwargs, settings, server, key, outcome, entry)
+                entry = None  # park() ends the delivery once parked; back here, the key was freed: try again
                 continue
             policies.refuse(self, action, request, settings, key, outcome)
 

@@ -1,5 +1,5 @@
-"""Where the locks live: the lock URL from the app's settings, Celery's URL spellings translated
-for redis-py, and the one check worth making of a new server (its eviction policy).
+"""Where the locks live: the lock URL from the app's settings, with Celery's URL spellings
+translated for redis-py.
 
 A lock URL names one Redis (``redis://``, ``rediss://``, ``unix://``, ``redis+socket://``), a
 Sentinel-watched master in Celery's own form (``sentinel://[:password@]host:port/db;sentinel://...``;
@@ -7,17 +7,15 @@ the master name comes from the transport options), or a Redis Cluster
 (``redis+cluster://host:port[,host:port...]``, ``rediss+cluster://``). Which client each gets is
 :mod:`celery_singleton_lock.servers`' business.
 
-Pure functions of the settings, plus :func:`check_eviction_policy`, which asks the server once.
+Pure functions of the settings; the eviction-policy check, which asks the server, is in
+:mod:`celery_singleton_lock.servers`.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from .lock import _split_url_list, redact_url
-
-logger = logging.getLogger(__name__)
 
 
 def _is_redis(url: Any) -> bool:

@@ -110,11 +110,11 @@ class Watchdog:
         self.rounds = 0
         """Ticks on which at least one lock was due."""
         self.last_round_seconds = 0.0
-        """How long the last round took (its renewal round trips), for :meth:`snapshot`."""
+        """How long the last round took (its renewal round trips), for :func:`.control.watchdog_snapshot`."""
         self.failed_rounds = 0
-        """Rounds in which a server's renewals failed (counted per server), for :meth:`snapshot`."""
+        """Rounds in which a server's renewals failed (counted per server), for :func:`.control.watchdog_snapshot`."""
         self.losses = 0
-        """Locks this watchdog declared lost, for :meth:`snapshot`."""
+        """Locks this watchdog declared lost, for :func:`.control.watchdog_snapshot`."""
 
     @property
     def options(self) -> dict[str, float | int]:
