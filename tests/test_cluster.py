@@ -162,7 +162,9 @@ def test_a_slot_migration_with_locks_held_loses_nothing(cluster, server):
             current = server.holder(lock.key)
             assert current is not None and current.owner_id == lock.owner_id
         assert done > 0 and not errors, errors
-        time.sleep(1.5)  # a renewal or more on the new node
+        renewed_by = [lock.confirmed_at for lock in held]
+        wait_until(lambda: all(lk.confirmed_at > t for lk, t in zip(held, renewed_by, strict=True)), 5, 0.05,
+                   "a renewal of every lock on the new node")
         assert all(not lock.lost for lock in held)
     finally:
         for lock in held:
@@ -182,7 +184,9 @@ def test_a_node_failover_with_locks_held_loses_nothing(cluster, server):
     try:
         promoted = cluster.failover(master)
         assert cluster.node_for_key("{" + tag + "}").port == promoted.port
-        time.sleep(1.5)  # renewals on the promoted replica (after MOVED)
+        renewed_by = [lock.confirmed_at for lock in held]
+        wait_until(lambda: all(lk.confirmed_at > t for lk, t in zip(held, renewed_by, strict=True)), 5, 0.05,
+                   "a renewal of every lock on the promoted replica (after MOVED)")
         assert all(not lock.lost for lock in held), [lock.lost_reason for lock in held]
         fresh = server.acquire(f"{{{tag}}}:fresh", 3.0)
         assert isinstance(fresh, Lock) and fresh.fencing_token > held[-1].fencing_token

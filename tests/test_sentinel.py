@@ -245,4 +245,5 @@ def test_overlaps_across_a_failover_with_and_without_wait(sentinel, record_prope
             fh.write(json.dumps(figures) + "\n")
     without, with_wait = figures[-2:]
     assert without["runs"] > 0 and with_wait["runs"] > 0, "the workload ran"
+    assert without["runs_after_failover"] > 0 and with_wait["runs_after_failover"] > 0, "and ran across the switch"
     assert with_wait["overlapping_pairs"] == 0, with_wait
