@@ -95,8 +95,9 @@ def singleton_lock_celery_config(singleton_lock_redis: RedisServer) -> dict[str,
 
     Session-scoped so that celery's own (session-scoped) ``celery_config`` fixture can
     return it, or extend it: ``return {**singleton_lock_celery_config, ...}``. The lock
-    back-off is shortened (50 ms, at most 0.5 s) so that "retry" duplicates run soon
-    after their holder instead of up to 30 s later; override it if you test back-off.
+    back-off is shortened (50 ms, at most 0.5 s) so that "backoff" duplicates and re-sends
+    after an unreachable Redis run soon instead of up to 30 s later ("retry" duplicates wait
+    in line and are handed the key, whatever the back-off); override it if you test back-off.
     Take only ``singleton_lock_url`` from it to keep your own broker.
     """
     server = singleton_lock_redis
