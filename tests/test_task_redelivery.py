@@ -151,11 +151,11 @@ def test_redelivery_while_holder_runs_runs_after_it_when_the_holder_fails(env, r
     redeliver(env.broker, env.job, (k, "gate-fail-once"), holder.id, env.queue)
     rec.wait("duplicate", holder.id)
     env.gates.open(k)
-    rec.wait("released", holder.id, count=2)
-    # cache=False: the failed run's FAILURE may be read first, and the backend caches ready states for good
-    meta = wait_until(lambda: (m := env.app.backend.get_task_meta(holder.id, cache=False))["status"] == "SUCCESS" and m,
-                      TIMEOUT)
-    assert meta["result"] == f"gate-fail-once by {holder.id}"
+    released = rec.wait("released", holder.id, count=2)
+    # the failed run let the key go, then the copy ran and succeeded. (Which of the two outcomes the
+    # result backend keeps is Celery's race: both runs store under one task id; see README, Limits.)
+    # (the signals' order is not the runs' order: the failed run signals after its hand-off's publish)
+    assert sorted(e.data["state"] for e in released) == ["FAILURE", "SUCCESS"]
     first, second = env.runs.of(k, holder.id)
     assert first.end <= second.start  # after the failed holder, never beside it
 
