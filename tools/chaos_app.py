@@ -1,0 +1,49 @@
+"""The app that tools/line_chaos.py's workers run: an inventory deduction that waits in line.
+
+Broker and results on one private Redis (``CSL_CHAOS_BROKER``, dbs 0 and 1), the lock on
+ANOTHER private Redis (``CSL_CHAOS_LOCK``) so that the chaos can flush or restart the lock
+Redis without touching the broker. Every body writes its start and end to a journal in the
+broker Redis (db 3), which survives the lock Redis's losses.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import redis
+from celery import Celery
+
+from celery_singleton_lock import LockedTask
+
+BROKER = os.environ.get("CSL_CHAOS_BROKER", "redis://127.0.0.1:6399")
+LOCK = os.environ.get("CSL_CHAOS_LOCK", "redis://127.0.0.1:6398")
+
+app = Celery("chaos_app", broker=f"{BROKER}/0", backend=f"{BROKER}/1")
+app.conf.update(
+    singleton_lock_url=f"{LOCK}/0",
+    singleton_lock_ttl=float(os.environ.get("CSL_CHAOS_TTL", "3")),
+    singleton_lock_max_wait=600,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    broker_transport_options={"visibility_timeout": 8, "unacked_restore_interval": 1, "unacked_restore_throttle": 1},
+    result_expires=None,
+)
+
+journal = redis.Redis.from_url(f"{BROKER}/3")
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["sku"], on_duplicate="retry")
+def deduct(self, sku: str, order: str, body_ms: int = 40) -> str:
+    journal.rpush(f"start:{sku}", f"{order} {time.time()} {os.getpid()} {self.lock.fencing_token}")
+    time.sleep(body_ms / 1000 * random.uniform(0.5, 1.5))
+    journal.rpush(f"end:{sku}", f"{order} {time.time()} {os.getpid()}")
+    journal.hincrby("done", order, 1)
+    return order
+
+
+@app.task
+def filler(ms: int = 5) -> None:
+    """Other work in the same queue: the backlog a busy production queue has."""
+    time.sleep(ms / 1000)
