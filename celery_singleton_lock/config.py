@@ -21,7 +21,7 @@ from typing import Any
 from . import queue, servers
 from .keys import KeySpec
 from .lock import check_ttl, redact_url
-from .server import DEFAULT_REPLICA_TIMEOUT, LockServer
+from .server import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TURN_TIMEOUT, LockServer
 from .urls import lock_source, transport_options
 from .urls import lock_url as lock_url  # re-exported: callers and tests read config.lock_url
 
@@ -76,6 +76,8 @@ class LockSettings:
     """Replicas that must acknowledge an acquire or renewal (Redis WAIT); 0: none asked."""
     replica_timeout: float = DEFAULT_REPLICA_TIMEOUT
     """Seconds to wait for them."""
+    turn_timeout: float = DEFAULT_TURN_TIMEOUT
+    """Seconds the key stays reserved for a waiter whose turn was sent, until its copy arrives."""
 
 
 def _check_option(where: str, option: str, value: Any) -> Any:
@@ -184,7 +186,14 @@ def resolve(task: Any) -> LockSettings:
         transport_options=transport_options(conf, source),
         min_replicas=min_replicas,
         replica_timeout=replica_timeout,
+        turn_timeout=check_ttl(_or(conf.get("singleton_lock_turn_timeout"), DEFAULT_TURN_TIMEOUT),
+                               "setting singleton_lock_turn_timeout"),
     )
+
+
+def _or(value: Any, default: Any) -> Any:
+    """``value`` unless it is unset (None): a 0 is checked, and refused, rather than replaced."""
+    return default if value is None else value
 
 
 def watchdog_options(conf: Any) -> dict[str, Any]:

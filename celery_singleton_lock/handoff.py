@@ -13,6 +13,10 @@ the app that registered the task), with a header that says why:
     sent again because the lock Redis lost its data (with its entry id);
 ``singleton_lock_expired``
     it waited longer than its ``lock_max_wait``: fail it.
+
+Each of them goes to the turns queue of the queue the task was first
+delivered from (see :mod:`celery_singleton_lock.turns`), so a waiter does
+not queue a second time behind work that arrived after it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 from celery import Celery
 from kombu.serialization import dumps, loads
 
+from . import turns
 from .lock import Handoff
 from .server import HandoffSender, LockServer
 
@@ -34,7 +39,10 @@ ENTRY = HEADER_PREFIX + "entry"
 RECOVERED = HEADER_PREFIX + "recovered"
 EXPIRED = HEADER_PREFIX + "expired"
 PARKED_AT = HEADER_PREFIX + "parked_at"
-"""When it parked (epoch seconds): how long it waited, for metrics."""
+"""When it FIRST parked (epoch seconds): its ``lock_max_wait`` counts from there, whatever re-parks
+follow; also how long it waited, for metrics."""
+QUEUE = HEADER_PREFIX + "queue"
+"""The queue it was first delivered from: its turn goes to that queue's turns queue."""
 
 
 def pack(task: Any, request: Any, args: Any, kwargs: Any) -> bytes:
@@ -45,11 +53,29 @@ def pack(task: Any, request: Any, args: Any, kwargs: Any) -> bytes:
     """
     sig = task.signature_from_request(request, args, kwargs)
     sig.options.pop("redelivered", None)  # delivery_info, copied by Celery: not an option to publish
-    sig.options["headers"] = {**(sig.options.get("headers") or {}), PARKED_AT: time.time()}
+    ours: dict[str, Any] = {PARKED_AT: first_parked_at(request) or time.time()}
+    queue = (request.headers or {}).get(QUEUE) or turns.original_queue(task.app, request.delivery_info)
+    if queue:
+        ours[QUEUE] = queue
+        if turns.SUFFIX in str(sig.options.get("queue") or sig.options.get("routing_key") or ""):
+            # a copy that came from a turns queue: it goes back to its own queue when it is published again
+            sig.options.pop("exchange", None)
+            sig.options.pop("routing_key", None)
+            sig.options["queue"] = queue
+    sig.options["headers"] = {**(sig.options.get("headers") or {}), **ours}
     content_type, encoding, data = dumps(dict(sig), serializer=task.serializer)
     if isinstance(data, str):
         data = data.encode("utf-8")
     return f"{content_type}\n{encoding}\n".encode() + bytes(data)
+
+
+def first_parked_at(request: Any) -> float | None:
+    """When this call first parked (epoch seconds), if this delivery is a copy of a waiting task."""
+    value = (request.headers or {}).get(PARKED_AT)
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 _apps: dict[str, Celery] = {}
@@ -85,6 +111,11 @@ def send(server: LockServer, handoff: Handoff) -> bool:
     else:
         raise ValueError(f"unknown hand-off {handoff.what!r}")
     sig.options["headers"] = headers
+    queue = headers.get(QUEUE)
+    if isinstance(queue, str) and turns.consumed(queue):  # our worker reads it: no waiting behind the backlog
+        for option in ("exchange", "routing_key"):  # they would win over the queue's own
+            sig.options.pop(option, None)
+        sig.options["queue"] = turns.turns_queue(queue)
     sig.apply_async()
     logger.debug("lock %s: sent waiting task %s (%s)", handoff.key, handoff.owner_id, handoff.what)
     return True

@@ -19,7 +19,14 @@ from celery.exceptions import Ignore, Retry
 
 from . import config, handoff, queue
 from .decide import Action
-from .exceptions import DuplicateTask, LockBackendUnavailable, LockContended, LockError, SelfDeadlock
+from .exceptions import (
+    DuplicateTask,
+    LockBackendUnavailable,
+    LockContended,
+    LockError,
+    LockWaitTimeout,
+    SelfDeadlock,
+)
 from .lock import Holder, Verdict
 from .server import LockServer
 from .signals import duplicate_skipped
@@ -46,10 +53,18 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     same = action is Action.PARK_SAME
     first = action is not Action.PARK
     holder_id = outcome.owner_id if isinstance(outcome, Holder) else request.id
+    wait = settings.max_wait
+    parked_at = handoff.first_parked_at(request)
+    if parked_at is not None:  # a copy of a waiting task: lock_max_wait counts from its FIRST park
+        wait -= time.time() - parked_at
+        if wait <= 0:
+            if entry:  # its old place, if it still has one, goes: the line moves on
+                queue.leave(server, key, entry)
+            raise LockWaitTimeout(key, settings.max_wait)
     message = handoff.pack(task, request, args, kwargs)
     entry = entry or queue.new_entry()
     place = queue.park(
-        server, key, entry, kind="s" if same else "t", wait=settings.max_wait, ttl=settings.ttl,
+        server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
         owner_id=request.id, message=message, first=first,
     )
     if not place:

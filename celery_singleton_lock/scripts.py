@@ -16,7 +16,10 @@ every key below lives in K's hash slot and no script touches two slots):
     ``s`` a redelivered copy of the running task (dropped if it succeeds),
     ``p`` plain code blocked in ``held(..., wait=...)`` (woken through
     ``K:wake:<entry>``); state ``p`` parked, ``h`` handed the key (its
-    message not yet known to be sent), ``c`` handed and sent.
+    message not yet known to be sent: the reservation lasts one lock TTL, then
+    the sweeper sends it again), ``c`` handed and sent (the reservation lasts
+    until the copy arrives, up to the turn timeout; then the key passes on,
+    and the record stays, out of the line, until its deadline).
 ``K:d``
     done records, only for tasks that can be redelivered after success
     (``acks_late``): a ZSET owner id -> until when (ms) to drop its redeliveries.
@@ -125,7 +128,8 @@ elseif entry ~= '' then
     redis.call('HDEL', WAITERS, head)
     head = redis.call('LINDEX', LINE, 0)
   end
-  if head and head ~= entry and redis.call('LPOS', LINE, entry) then return {0, '', -2} end
+  -- a live waiter ahead, or, for a copy whose turn passed on while it travelled, a live waiter at all
+  if head and head ~= entry then return {0, '', -2} end
 elseif redis.call('EXISTS', LINE) == 1 then
   return {0, '', -2}                                            -- nobody jumps the line
 end
@@ -209,46 +213,58 @@ return {1, place}
 """
 
 SWEEP = _HAND_OFF + """
--- For the sweeper: pass the key on if its holder died (or a reservation ran
--- out unclaimed), and time out waiters past their deadline while it is held.
+-- For the sweeper: pass the key on if its holder died or a reservation ran
+-- out (a turn never sent, or sent longer ago than the turn timeout), and time
+-- out EVERY waiter past its deadline, wherever it stands (also one whose turn
+-- passed on while its copy was on its way), except the one the key is
+-- reserved for: its turn came. O(waiters) per look.
 -- Returns {next look (ms; 0: nobody waits), hand-offs...}.
-if redis.call('EXISTS', LINE) == 0 then return {0} end
+if redis.call('EXISTS', LINE) == 0 and redis.call('EXISTS', WAITERS) == 0 then return {0} end
 local now = clock()
+local out = {0}
+if redis.call('PTTL', LOCK) < 0 then out = hand_off(now, '', out) end
+local held = redis.call('GET', LOCK) or ''
 local pttl = redis.call('PTTL', LOCK)
-if pttl < 0 then
-  return hand_off(now, '', {now + 1000})
-end
-local out = {now + pttl}
-local i = 0
-while true do
-  local e = redis.call('LINDEX', LINE, i)
-  if not e then break end
-  local rec = redis.call('HGET', WAITERS, e)
-  if not rec then
-    redis.call('LREM', LINE, 1, e)
-  else
-    local kind, state, deadline = parse(rec)
-    if state ~= 'p' then
-      i = i + 1                                                 -- the one the key is reserved for
-    elseif deadline <= now then
+local soonest = now + 1000
+if pttl > 0 then soonest = now + pttl end
+local flat = redis.call('HGETALL', WAITERS)
+for i = 1, #flat, 2 do
+  local e, rec = flat[i], flat[i + 1]
+  local kind, state, deadline = parse(rec)
+  if string.sub(held, 1, #e + 2) ~= '~' .. e .. ' ' then
+    if deadline <= now then
       redis.call('LREM', LINE, 1, e)
       redis.call('HDEL', WAITERS, e)
       if kind == 't' then out[#out + 1] = {'expired', e, rec} end
-    else
-      out[1] = math.min(out[1], deadline)
-      break
+    elseif deadline < soonest then
+      soonest = deadline
     end
   end
+end
+if redis.call('EXISTS', WAITERS) == 0 then
+  redis.call('DEL', LINE)
+  out[1] = 0
+else
+  out[1] = soonest
 end
 return out
 """
 
 CONFIRM = """
--- KEYS[1] waiters; ARGV[1] entry id. The hand-off's message was sent: the
--- sweeper must not send it again. Returns 1 marked, 0 no such handed entry.
-local rec = redis.call('HGET', KEYS[1], ARGV[1])
+-- KEYS[1] lock, KEYS[2] waiters; ARGV[1] entry id, ARGV[2] turn timeout ms.
+-- The hand-off's message was sent: the sweeper must not send it again, and the
+-- key stays reserved for it until it arrives, however deep the queue, up to
+-- the turn timeout (a purged queue must not block the key forever). Its record
+-- lives at least as long. Returns 1 marked, 0 no such handed entry.
+local rec = redis.call('HGET', KEYS[2], ARGV[1])
 if not rec or string.sub(rec, 2, 2) ~= 'h' then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], string.sub(rec, 1, 1) .. 'c' .. string.sub(rec, 3))
+redis.call('HSET', KEYS[2], ARGV[1], string.sub(rec, 1, 1) .. 'c' .. string.sub(rec, 3))
+local turn = tonumber(ARGV[2])
+local held = redis.call('GET', KEYS[1])
+if held and string.sub(held, 1, #ARGV[1] + 2) == '~' .. ARGV[1] .. ' ' and redis.call('PTTL', KEYS[1]) < turn then
+  redis.call('PEXPIRE', KEYS[1], turn)
+end
+if redis.call('PTTL', KEYS[2]) < turn + 60000 then redis.call('PEXPIRE', KEYS[2], turn + 60000) end
 return 1
 """
 

@@ -40,6 +40,10 @@ TOKEN_BYTES = 16  # 128 bits
 DEFAULT_CLIENT_OPTIONS = {"socket_connect_timeout": 5.0, "socket_timeout": 10.0}
 """What every lock client gets unless its options say otherwise."""
 
+DEFAULT_TURN_TIMEOUT = 300.0
+"""Seconds the key stays reserved for a waiter whose turn was sent, until its copy arrives
+(``singleton_lock_turn_timeout``): then it passes to the next waiter."""
+
 DEFAULT_REPLICA_TIMEOUT = 1.0
 """Seconds an acquire waits for ``min_replicas`` replicas to acknowledge it (Redis WAIT)."""
 
@@ -85,6 +89,7 @@ class LockServer:
         self._shas: dict[str, str] = {}
         self._held = threading.local()  # each thread's own connection, taken from the pool and kept
         self.send_handoff: HandoffSender | None = None
+        self.turn_timeout = DEFAULT_TURN_TIMEOUT
         self.min_replicas = min_replicas
         self.replica_timeout = replica_timeout
 
@@ -108,6 +113,7 @@ class LockServer:
         twin = self._twin(seconds)
         twin._shas = self._shas  # same server, same scripts
         twin.send_handoff = self.send_handoff
+        twin.turn_timeout = self.turn_timeout
         twin.min_replicas = self.min_replicas
         twin.replica_timeout = min(self.replica_timeout, seconds / 2)
         return twin
@@ -401,8 +407,10 @@ class LockServer:
         )
 
     def confirm(self, name: str, entry: str) -> bool:
-        """The hand-off's message for ``entry`` was sent: no sweeper sends it again."""
-        return bool(self.run(scripts.CONFIRM, (slot_safe(name) + ":w",), (entry,)))
+        """The hand-off's message for ``entry`` was sent: no sweeper sends it again, and the key stays
+        reserved for it until it arrives (up to ``turn_timeout``), however slow the broker."""
+        key = slot_safe(name)
+        return bool(self.run(scripts.CONFIRM, (key, key + ":w"), (entry, ms(self.turn_timeout))))
 
     def dispatch(self, handoffs: Iterable[Handoff]) -> None:
         """Send the waiting tasks the key was passed to (plain waiters were woken by the script)."""

@@ -172,6 +172,7 @@ class LockedTask(Task):
             server = config.server_for(self.lock_settings())
             if server.send_handoff is None:
                 server.send_handoff = handoff.SEND
+            server.turn_timeout = self.lock_settings().turn_timeout
             handoff.register(self)
             self.__dict__["_singleton_lock_server"] = server
         return server

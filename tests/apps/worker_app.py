@@ -360,3 +360,31 @@ def hold_until_lost(self, key: str, limit: float = 30.0) -> dict:
     _journal_event(key, "lost" if self.lock.lost else "timeout", self, reason=self.lock.lost_reason)
     self.lock.ensure()
     return {"pid": os.getpid(), "lost": False}
+
+# -- for tests/test_line_load.py (the line under a backlog, a slow broker, revoke) -------------
+
+if os.environ.get("CSL_BROKER_URL"):  # e.g. RabbitMQ
+    app.conf.broker_url = os.environ["CSL_BROKER_URL"]
+if os.environ.get("CSL_BROKER_READ_URL"):  # the consuming side through a delaying proxy
+    app.conf.broker_read_url = os.environ["CSL_BROKER_READ_URL"]
+    app.conf.broker_write_url = app.conf.broker_url
+if os.environ.get("CSL_PREFETCH"):  # "4": Celery's default
+    app.conf.worker_prefetch_multiplier = int(os.environ["CSL_PREFETCH"])
+if os.environ.get("CSL_TURN_TIMEOUT"):
+    app.conf.singleton_lock_turn_timeout = float(os.environ["CSL_TURN_TIMEOUT"])
+
+
+@app.task
+def busy(seconds: float) -> None:
+    """Other work in the same queue: the backlog a waiting task must not queue behind twice."""
+    time.sleep(seconds)
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_max_wait=6.0)
+def in_line_wait6(self, key: str, tag: str = "", gate: bool = False) -> dict:
+    """As in_line, but a waiter gives up 6 s after it first parked (LockWaitTimeout)."""
+    _journal_event(key, "start", self, tag=tag)
+    if gate:
+        _wait_gate(key)
+    _journal_event(key, "end", self, tag=tag)
+    return {"pid": os.getpid(), "tag": tag}

@@ -1,0 +1,135 @@
+"""The turns queues: a waiter whose turn came does not queue a second time.
+
+A parked task has already waited once, in the key's line. When its turn
+comes (the hand-off, the sweeper's re-send, or the "you waited too long"
+copy), its message is published to ``<queue>.singleton_turns``, where
+``<queue>`` is the queue it was first delivered from, instead of to the back
+of ``<queue>`` behind whatever arrived meanwhile. Every worker that consumes
+``<queue>`` also consumes its turns queue: it is added at worker start
+(the ``worker_init`` signal, sent after ``-Q``/``-X`` were applied and before
+the consumer starts, by ``celery worker`` and by
+``celery.contrib.testing.worker.start_worker`` alike), the way Celery's own
+documentation adds a queue with ``app.amqp.queues.select_add``.
+
+Why a turn is not stuck behind the backlog:
+
+* kombu's Redis transport BRPOPs all of a worker's queues and rotates their
+  order on every fetch, so the turns queue is read at the latest on the
+  next-but-one fetch, whatever the depth of ``<queue>``;
+* on RabbitMQ each queue has its own consumer on the worker's channel, and
+  the broker serves the consumers of a channel in turn as prefetch credit
+  comes back (with RabbitMQ 3.x's channel-wide QoS, Celery's default there)
+  or independently (per-consumer QoS, RabbitMQ 4): either way the turn waits
+  for at most one prefetch window of the worker that takes it, never for the
+  whole queue.
+
+A turn is published to the turns queue only by a process whose worker
+consumes that turns queue (so somebody reads it while that worker lives);
+any other process (``celery locks``, a worker of an older release in a
+rolling deploy, a worker not consuming ``<queue>``) publishes it to
+``<queue>`` itself, where it is slower but never stranded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from celery.signals import worker_init
+from kombu.entity import Exchange, Queue
+
+logger = logging.getLogger("celery_singleton_lock")
+
+SUFFIX = ".singleton_turns"
+"""Appended to a queue's name: the name of its turns queue."""
+
+_consumed: set[str] = set()
+"""The queues whose turns queue this process's worker consumes (filled at worker start; a
+forked pool child inherits it)."""
+
+
+def turns_queue(name: str) -> Queue:
+    """``name``'s turns queue, declared alike by every publisher and consumer (a direct exchange of
+    its own name, as Celery makes a missing queue)."""
+    turns = name + SUFFIX
+    return Queue(turns, Exchange(turns, type="direct"), routing_key=turns)
+
+
+def original_queue(app: Any, delivery_info: Mapping[str, Any] | None) -> str | None:
+    """The name of the queue a message was delivered from, as far as its delivery info tells.
+
+    A copy delivered from a turns queue is of the queue it names. A routing key
+    that is a known queue's name is that queue (Celery's usual direct routing);
+    otherwise the known queue bound by that exchange and routing key; otherwise
+    the routing key itself. None when there is nothing to go on (eager).
+    """
+    info = delivery_info or {}
+    key = info.get("routing_key")
+    if not key or not isinstance(key, str):
+        return None
+    if key.endswith(SUFFIX):
+        return key[: -len(SUFFIX)]
+    queues = app.amqp.queues
+    if key in queues:
+        return key
+    exchange = info.get("exchange") or ""
+    for queue in queues.values():
+        if queue.routing_key == key and getattr(queue.exchange, "name", "") == exchange:
+            return str(queue.name)
+    return key
+
+
+def consumed(name: str | None) -> bool:
+    """Whether this process's worker consumes ``name``'s turns queue."""
+    return name is not None and name in _consumed
+
+
+def add_turns_queues(app: Any) -> list[str]:
+    """Make the worker consume the turns queue of every queue it consumes; returns the names added."""
+    queues = app.amqp.queues
+    added = []
+    for name, queue in list(queues.consume_from.items()):
+        exchange_type = getattr(queue.exchange, "type", "direct")
+        if name.endswith(SUFFIX) or exchange_type == "fanout" or getattr(queue, "no_declare", False):
+            continue  # a turns queue itself, or a broadcast queue: no turns of its own
+        turns = turns_queue(name)
+        queues.select_add(turns)
+        _consumed.add(name)
+        added.append(turns.name)
+    return added
+
+
+def check_broker(app: Any) -> None:
+    """Say how this broker serves the turns queues (logged at worker start)."""
+    url = str(app.conf.broker_url or "")
+    scheme = url.split("://", 1)[0].lower()
+    if app.conf.worker_disable_prefetch and scheme.startswith("redis"):
+        logger.info("celery-singleton-lock: worker_disable_prefetch is on: turns wait for a free pool slot only")
+    if scheme in ("redis", "rediss", "sentinel", "amqp", "amqps", "pyamqp"):
+        return
+    logger.warning(
+        "celery-singleton-lock: broker %r is not Redis or RabbitMQ: the turns queues are consumed, but whether "
+        "a turn can overtake the backlog depends on how this transport serves several queues", scheme,
+    )
+
+
+@worker_init.connect(weak=False)
+def _consume_turns(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is None or not _has_locked_tasks(app):
+        return
+    added = add_turns_queues(app)
+    if added:
+        logger.info("celery-singleton-lock: this worker also consumes the turns queues %s", ", ".join(added))
+    check_broker(app)
+
+
+def _has_locked_tasks(app: Any) -> bool:
+    from .task import LockedTask  # task.py imports this module
+
+    try:
+        app.loader.import_default_modules()
+    except Exception:  # the worker reports its own import errors
+        return False
+    return any(isinstance(task, LockedTask) for task in list(app.tasks.values()))

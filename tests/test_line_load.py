@@ -1,0 +1,344 @@
+"""The line moves under any backlog (issue 17): real ``celery worker`` subprocesses, a real broker.
+
+1. A busy queue: the key's queue is kept deeper than the lock TTL with other short tasks; each
+   waiter's turn still comes at once (the turns queue), ONE publish per turn, in park order. On
+   the Redis broker and on RabbitMQ, with Celery's default prefetch.
+2. A slow broker (a proxy delays every delivery by more than the TTL): a sent turn keeps its
+   reservation until it arrives; no livelock.
+3. ``lock_max_wait`` counts from the first park and holds for a waiter that is not the head.
+4. A copy whose turn passed on while it travelled (the turn timeout) goes back to the head of the
+   line, not ahead of it, and is never dropped as "already ran".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+from _delay_proxy import DelayProxy
+from _task_support import (
+    TIMEOUT,
+    assert_no_overlap,
+    collect_results,  # noqa: F401 - autouse: gc while Redis runs
+    load_worker_app,
+    start_worker_process,
+)
+from celery import Celery
+
+from celery_singleton_lock import LockServer, LockWaitTimeout, held
+from celery_singleton_lock.queue import SWEEP_INTERVAL, SWEEP_LEASE
+from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock.turns import SUFFIX
+
+pytestmark = pytest.mark.timeout(120)
+
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
+LOCK_TTL = 2.0
+FILLER = 0.05  # seconds per backlog task
+SWEEP_SLACK = SWEEP_INTERVAL * 1.25 + SWEEP_LEASE + 5.0  # a sweeper's look, plus a loaded machine's slack
+WORKER_ENV = {"CSL_LOCK_TTL": str(LOCK_TTL), "CSL_JOURNAL_HANDOFF": "1", "CSL_PREFETCH": "4"}
+
+
+def rabbit_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+class Nodes:
+    """Two prefork workers x 2 children on ``queue``, and a client app that sends by task name."""
+
+    def send(self, task: str, args, **options):
+        return self.client.send_task(f"apps.worker_app.{task}", args, queue=options.pop("queue", self.queue),
+                                     **options)
+
+    def depth(self) -> int:
+        if self.broker == "redis":
+            return int(self.broker_redis.llen(self.queue))
+        with self.client.connection_for_write() as conn:
+            return int(conn.default_channel.queue_declare(self.queue, passive=True).message_count)
+
+
+@contextlib.contextmanager
+def start_nodes(redis_server, tmp_path_factory, broker: str, env: dict | None = None, count: int = 2):
+    wa = load_worker_app(redis_server)
+    n = Nodes()
+    n.wa, n.locks, n.broker = wa, redis_server.client(2), broker
+    n.broker_redis = redis_server.client(0)
+    n.queue = f"csl-ll-{broker}-{uuid.uuid4().hex[:8]}"
+    url = AMQP_URL if broker == "amqp" else redis_server.url(0)
+    n.client = Celery(f"client-{uuid.uuid4().hex[:6]}", broker=url, backend=redis_server.url(1),
+                      set_as_current=False)
+    n.client.conf.update(result_expires=None, broker_heartbeat=0)
+    logdir = tmp_path_factory.mktemp(f"line-load-{broker}")
+    extra_env = {**WORKER_ENV, **(env or {}), **({"CSL_BROKER_URL": AMQP_URL} if broker == "amqp" else {})}
+    n.workers = []
+    try:
+        n.workers = [
+            start_worker_process(redis_server, logdir, concurrency=2, env=extra_env, extra=("-Q", n.queue),
+                                 name=f"{broker}-node{i}")
+            for i in range(count)
+        ]
+        for w in n.workers:
+            w.wait_ready(90)
+        yield n
+    finally:
+        for w in n.workers:
+            w.stop()
+        if broker == "amqp":
+            with n.client.connection_for_write() as conn:
+                for q in (n.queue, n.queue + SUFFIX):
+                    with contextlib.suppress(Exception):
+                        conn.default_channel.queue_delete(q)
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def redis_nodes(redis_server, tmp_path_factory):
+    with start_nodes(redis_server, tmp_path_factory, "redis") as n:
+        yield n
+
+
+@pytest.fixture(scope="module")
+def amqp_nodes(redis_server, tmp_path_factory):
+    if not rabbit_up():
+        pytest.skip("RabbitMQ: nothing accepts connections on 127.0.0.1:5672")
+    with start_nodes(redis_server, tmp_path_factory, "amqp") as n:
+        yield n
+
+
+# -- the workers' journal (Redis db 3) ---------------------------------------------------------------
+
+
+def events(wa, k: str) -> list[dict]:
+    return [json.loads(raw) for raw in wa.journal.lrange(f"journaled:{k}", 0, -1)]
+
+
+def starts(wa, k: str) -> list[dict]:
+    return [e for e in events(wa, k) if e["event"] == "start"]
+
+
+def wait_starts(wa, k: str, count: int, timeout: float = TIMEOUT) -> list[dict]:
+    return wait_until(lambda: len(starts(wa, k)) >= count and starts(wa, k), timeout, 0.02,
+                      f"{count} start(s) of {k}")
+
+
+def publishes(wa, task_id: str) -> list[dict]:
+    return [p for p in map(json.loads, wa.journal.lrange("handoff:publishes", 0, -1)) if p["id"] == task_id]
+
+
+def line_of(locks, key: str) -> list[str]:
+    """The task ids in ``key``'s line, next first."""
+    entries = locks.lrange(key + ":q", 0, -1)
+    return [rec.split(b"\n", 4)[3].decode() for rec in locks.hmget(key + ":w", entries) if rec]
+
+
+def open_gate(wa, k: str) -> None:
+    wa.journal.set(f"gate:{k}", 1)
+
+
+class Backlog:
+    """Keeps the nodes' queue at least ``depth`` tasks deep with FILLER-second tasks until stopped."""
+
+    def __init__(self, n: Nodes, depth: int) -> None:
+        self.n, self.depth = n, depth
+        self.stop = threading.Event()
+        self.sent = 0
+        self.thread = threading.Thread(target=self._feed, daemon=True, name="backlog")
+
+    def __enter__(self) -> Backlog:
+        self.thread.start()
+        wait_until(lambda: self.n.depth() >= self.depth, TIMEOUT, 0.05, f"a backlog of {self.depth}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+    def _feed(self) -> None:
+        while not self.stop.is_set():
+            missing = self.depth + 20 - self.n.depth()
+            for _ in range(max(0, missing)):
+                self.n.send("busy", (FILLER,), ignore_result=True)
+                self.sent += 1
+            self.stop.wait(0.05)
+
+
+# -- 1. a busy queue ---------------------------------------------------------------------------------
+
+
+def drain_under_backlog(n: Nodes, count: int = 6) -> None:
+    wa = n.wa
+    k = f"busy-{uuid.uuid4().hex[:8]}"
+    key = wa.in_line.lock_key_for((k,), {})
+    # the slots' throughput is at most 4 / FILLER tasks a second: this depth is > 2 x the lock TTL
+    depth = int(2 * LOCK_TTL * 4 / FILLER)
+    holder = n.send("in_line", (k, 0.0, "holder", True))
+    try:
+        wait_starts(wa, k, 1)
+        with Backlog(n, depth):
+            dups = [n.send("in_line", (k, FILLER, f"d{i}")) for i in range(count)]
+            # each went through the backlog once, and parked
+            wait_until(lambda: n.locks.llen(key + ":q") >= count, 60, 0.05, "every duplicate to park")
+            parked_order = line_of(n.locks, key)
+            open_gate(wa, k)
+            opened = time.time()
+            assert [d.get(timeout=TIMEOUT)["tag"] for d in dups] == [f"d{i}" for i in range(count)]
+            drained = time.time() - opened
+            assert n.depth() >= depth / 2, "the backlog was kept up during the drain"
+    finally:
+        open_gate(wa, k)
+    holder.get(timeout=TIMEOUT)
+    ran = starts(wa, k)
+    assert sorted(e["id"] for e in ran) == sorted([holder.id, *(d.id for d in dups)]), "each ran once"
+    assert_no_overlap([(s["at"], e["at"]) for s, e in zip(
+        ran, [e for e in events(wa, k) if e["event"] == "end"], strict=False)])
+    for d in dups:
+        turns = [p for p in publishes(wa, d.id) if p.get("singleton_lock_entry")]
+        assert len(turns) == 1, f"ONE turn for {d.id} (no re-park, no re-send), got {publishes(wa, d.id)}"
+    assert [e["id"] for e in ran[1:]] == parked_order, "in park order"
+    print(f"\n[line-load] {n.broker}: {count} turns under a {depth}-task backlog drained in {drained:.2f} s")
+
+
+@pytest.mark.slow
+def test_busy_redis_queue_does_not_stall_the_line(redis_nodes):
+    drain_under_backlog(redis_nodes)
+
+
+@pytest.mark.slow
+def test_busy_rabbitmq_queue_does_not_stall_the_line(amqp_nodes):
+    drain_under_backlog(amqp_nodes)
+
+
+# -- 2. a slow broker --------------------------------------------------------------------------------
+
+BROKER_DELAY = 2.5  # every delivery comes this late: longer than the lock TTL and a sweep together
+SLOW_TTL = 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_slow_broker_turns_keep_their_reservation_no_livelock(redis_server, tmp_path_factory):
+    """Deliveries come BROKER_DELAY late (a proxy on the workers' consuming connection), longer than
+    the lock TTL: a sent turn keeps the key reserved until it arrives, so every waiter runs, once,
+    in park order, with ONE turn each. Before: the reservation passed on at the TTL, the late copy
+    re-parked at the head with a new deadline and was handed again: waiters ran out of park order,
+    with several turns each (with more waiters and a longer delay, no body ran at all)."""
+    proxy = DelayProxy(redis_server.port, BROKER_DELAY)
+    env = {"CSL_LOCK_TTL": str(SLOW_TTL), "CSL_BROKER_READ_URL": proxy.url(0), "CSL_PREFETCH": "1"}
+    try:
+        with start_nodes(redis_server, tmp_path_factory, "redis", env=env, count=1) as n:
+            wa = n.wa
+            k = f"slow-{uuid.uuid4().hex[:8]}"
+            key = wa.in_line.lock_key_for((k,), {})
+            holder = n.send("in_line", (k, 0.0, "holder", True))
+            try:
+                wait_starts(wa, k, 1, timeout=60)
+                dups = [n.send("in_line", (k, 0.0, f"d{i}")) for i in range(3)]
+                wait_until(lambda: n.locks.llen(key + ":q") >= 3, 60, 0.05, "every duplicate to park")
+                parked_order = line_of(n.locks, key)
+            finally:
+                open_gate(wa, k)
+            deadline = time.monotonic() + 60
+            assert [d.get(timeout=max(1.0, deadline - time.monotonic()))["tag"] for d in dups] == \
+                ["d0", "d1", "d2"]
+            holder.get(timeout=TIMEOUT)
+            ran = starts(wa, k)
+            assert [e["id"] for e in ran] == [holder.id, *parked_order], "each once, in park order"
+            for d in dups:
+                turns = [p for p in publishes(wa, d.id) if p.get("singleton_lock_entry")]
+                assert len(turns) == 1, f"ONE turn for {d.id}, got {publishes(wa, d.id)}"
+    finally:
+        proxy.close()
+
+
+# -- 3. lock_max_wait: from the first park, for every waiter ------------------------------------------
+
+
+@pytest.mark.slow
+def test_lock_max_wait_fails_a_waiter_that_is_not_the_head(redis_nodes):
+    """A patient plain waiter (held(..., wait=60)) at the head, a task with lock_max_wait 6 s behind
+    it: the task FAILS with LockWaitTimeout at its own deadline (before: the sweeper's scan stopped
+    at the live head, and the task stayed WAITING as long as the head waited)."""
+    n, wa = redis_nodes, redis_nodes.wa
+    k = f"maxwait-{uuid.uuid4().hex[:8]}"
+    key = wa.in_line_wait6.lock_key_for((k,), {})
+    server = LockServer.from_url(redis_url(n.locks))
+    holder = n.send("in_line_wait6", (k, "holder", True))
+    out: list = []
+
+    def patient() -> None:
+        try:
+            with held(server, key, ttl=30, wait=60):
+                out.append("ran")
+        except Exception as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=patient, daemon=True)
+    try:
+        wait_starts(wa, k, 1)
+        thread.start()
+        wait_until(lambda: n.locks.llen(key + ":q") == 1, TIMEOUT, 0.02, "the plain waiter at the head")
+        late = n.send("in_line_wait6", (k, "late"))
+        wait_until(lambda: late.state == "WAITING", TIMEOUT, 0.05, "the task to wait behind it")
+        parked = time.time()
+        with pytest.raises(LockWaitTimeout):
+            late.get(timeout=6 + SWEEP_SLACK)
+        assert time.time() - parked <= 6 + SWEEP_SLACK
+        assert line_of(n.locks, key) != [late.id] and n.locks.llen(key + ":q") == 1, "only the plain waiter"
+    finally:
+        open_gate(wa, k)
+        thread.join(TIMEOUT)
+        server.close()
+    assert out == ["ran"] and [e["id"] for e in starts(wa, k)] == [holder.id]
+
+
+@pytest.mark.slow
+def test_lock_max_wait_counts_from_the_first_park(redis_nodes):
+    """A copy of a waiting task that first parked 10 s ago (lock_max_wait 6 s) and finds the key
+    held again: it FAILS with LockWaitTimeout at once and leaves the line (before: it parked
+    again with a new deadline, WAITING, and each re-park reset its wait)."""
+    n, wa = redis_nodes, redis_nodes.wa
+    k = f"firstpark-{uuid.uuid4().hex[:8]}"
+    key = wa.in_line_wait6.lock_key_for((k,), {})
+    holder = n.send("in_line_wait6", (k, "holder", True))
+    try:
+        wait_starts(wa, k, 1)
+        waiter = n.send("in_line_wait6", (k, "w"))
+        wait_until(lambda: waiter.state == "WAITING", TIMEOUT, 0.05, "the waiter to park")
+        [entry] = n.locks.lrange(key + ":q", 0, -1)
+        body = parked_body(n.locks.hget(key + ":w", entry))
+        headers = {**body["options"]["headers"], "singleton_lock_entry": entry.decode(),
+                   "singleton_lock_parked_at": time.time() - 10}
+        # its copy, as a hand-off would send it, that lost its turn and finds the key held
+        n.client.send_task(body["task"], body["args"], body["kwargs"], task_id=waiter.id, headers=headers,
+                           queue=n.queue)
+        with pytest.raises(LockWaitTimeout):  # at once: not a whole new lock_max_wait (6 s) later
+            waiter.get(timeout=4)
+        wait_until(lambda: n.locks.llen(key + ":q") == 0, TIMEOUT, 0.05, "its old place to go")
+    finally:
+        open_gate(wa, k)
+    holder.get(timeout=TIMEOUT)
+    assert [e["id"] for e in starts(wa, k)] == [holder.id]
+
+
+def parked_body(record: bytes) -> dict:
+    """The task message a waiter parked (its record's last field), as a signature dict."""
+    from kombu.serialization import loads
+
+    message = record.split(b"\n", 4)[4]
+    content_type, encoding, data = message.split(b"\n", 2)
+    return loads(data, content_type.decode(), encoding.decode(), accept=[content_type.decode()])
+
+
+def redis_url(client) -> str:
+    kw = client.connection_pool.connection_kwargs
+    return f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
