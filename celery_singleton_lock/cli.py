@@ -9,6 +9,8 @@ Redis result backend or broker, as the workers do) and the prefixes (the app's
     celery -A proj locks show KEY [--json]
     celery -A proj locks key TASK_NAME [--args JSON] [--kwargs JSON] [--json]
     celery -A proj locks release KEY [--yes]
+    celery -A proj locks line KEY [--json]           (cli_line.py)
+    celery -A proj locks drop KEY TASK_ID [--yes]    (cli_line.py)
 
 ``list`` walks the keyspace with SCAN (never KEYS), a batch at a time, and
 reads each batch in one pipelined round trip, so it never blocks Redis however
@@ -438,3 +440,6 @@ def audit(line: str) -> None:
         logger.warning("%s", line)
     finally:
         logger.removeHandler(handler)
+
+
+from . import cli_line  # noqa: E402,F401 - registers "line" and "drop" on the group

@@ -36,6 +36,7 @@ from celery.signals import task_postrun, worker_process_init, worker_process_shu
 from celery.states import FAILURE, IGNORED, REJECTED, RETRY, STARTED, SUCCESS
 
 from . import config, handoff, keys, policies, queue, reentry, releasing, timing
+from . import revoke as _revoke  # noqa: F401 - takes revoked tasks out of the lines (a worker bootstep)
 from .decide import Action, Delivery, Found, decide
 from .exceptions import (
     LockBackendUnavailable,

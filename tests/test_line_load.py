@@ -15,7 +15,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -23,15 +26,19 @@ import uuid
 import pytest
 from _delay_proxy import DelayProxy
 from _task_support import (
+    ROOT,
     TIMEOUT,
     assert_no_overlap,
     collect_results,  # noqa: F401 - autouse: gc while Redis runs
     load_worker_app,
+    locked,
     start_worker_process,
 )
 from celery import Celery
+from conftest import make_app
 
-from celery_singleton_lock import LockServer, LockWaitTimeout, held
+from celery_singleton_lock import LockServer, LockWaitTimeout, held, queue, scripts
+from celery_singleton_lock.lock import Handoff, slot_safe
 from celery_singleton_lock.queue import SWEEP_INTERVAL, SWEEP_LEASE
 from celery_singleton_lock.testing import wait_until
 from celery_singleton_lock.turns import SUFFIX
@@ -71,7 +78,9 @@ class Nodes:
 def start_nodes(redis_server, tmp_path_factory, broker: str, env: dict | None = None, count: int = 2):
     wa = load_worker_app(redis_server)
     n = Nodes()
-    n.wa, n.locks, n.broker = wa, redis_server.client(2), broker
+    # locks of their own per broker: a sweeper sends a waiter through its OWN app's broker
+    lock_db = 4 if broker == "amqp" else 2
+    n.wa, n.locks, n.broker = wa, redis_server.client(lock_db), broker
     n.broker_redis = redis_server.client(0)
     n.queue = f"csl-ll-{broker}-{uuid.uuid4().hex[:8]}"
     url = AMQP_URL if broker == "amqp" else redis_server.url(0)
@@ -79,7 +88,8 @@ def start_nodes(redis_server, tmp_path_factory, broker: str, env: dict | None = 
                       set_as_current=False)
     n.client.conf.update(result_expires=None, broker_heartbeat=0)
     logdir = tmp_path_factory.mktemp(f"line-load-{broker}")
-    extra_env = {**WORKER_ENV, **(env or {}), **({"CSL_BROKER_URL": AMQP_URL} if broker == "amqp" else {})}
+    extra_env = {**WORKER_ENV, **(env or {}), "CSL_LOCK_URL": redis_server.url(lock_db),
+                 **({"CSL_BROKER_URL": AMQP_URL} if broker == "amqp" else {})}
     n.workers = []
     try:
         n.workers = [
@@ -107,7 +117,7 @@ def redis_nodes(redis_server, tmp_path_factory):
         yield n
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def amqp_nodes(redis_server, tmp_path_factory):
     if not rabbit_up():
         pytest.skip("RabbitMQ: nothing accepts connections on 127.0.0.1:5672")
@@ -342,3 +352,169 @@ def parked_body(record: bytes) -> dict:
 def redis_url(client) -> str:
     kw = client.connection_pool.connection_kwargs
     return f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
+
+
+# -- 4. revoke -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_revoke_takes_a_waiting_task_out_of_the_line(redis_nodes):
+    """AsyncResult.revoke() of a parked task: it leaves the line, its state is REVOKED, it never
+    runs, and the waiter behind it runs in its place (before: nothing took it out; it stayed WAITING
+    and ran in its turn)."""
+    n, wa = redis_nodes, redis_nodes.wa
+    k = f"revoke-{uuid.uuid4().hex[:8]}"
+    key = wa.in_line.lock_key_for((k,), {})
+    holder = n.send("in_line", (k, 0.0, "holder", True))
+    try:
+        wait_starts(wa, k, 1)
+        a = n.send("in_line", (k, 0.0, "a"))
+        wait_until(lambda: n.locks.llen(key + ":q") == 1, TIMEOUT, 0.02, "a to park")
+        b = n.send("in_line", (k, 0.0, "b"))
+        wait_until(lambda: n.locks.llen(key + ":q") == 2, TIMEOUT, 0.02, "b to park")
+        a.revoke()
+        wait_until(lambda: a.state == "REVOKED", TIMEOUT, 0.05, "a to be REVOKED")
+        assert line_of(n.locks, key) == [b.id]
+    finally:
+        open_gate(wa, k)
+    assert b.get(timeout=TIMEOUT)["tag"] == "b"
+    holder.get(timeout=TIMEOUT)
+    assert [e["id"] for e in starts(wa, k)] == [holder.id, b.id]
+    assert a.state == "REVOKED"
+
+
+@pytest.mark.slow
+def test_revoke_of_a_task_whose_turn_was_sent_passes_the_key_on_at_once(redis_nodes):
+    """The key is reserved for A, whose turn is on its way (a slow queue: 60 s of reservation left):
+    revoking A passes the key to B at once, not when A's reservation runs out."""
+    n, wa = redis_nodes, redis_nodes.wa
+    k = f"revoke-sent-{uuid.uuid4().hex[:8]}"
+    key = wa.in_line.lock_key_for((k,), {})
+    server = LockServer.from_url(redis_url(n.locks))
+    holder = n.send("in_line", (k, 0.0, "holder", True))
+    try:
+        wait_starts(wa, k, 1)
+        a = n.send("in_line", (k, 0.0, "a"))
+        wait_until(lambda: n.locks.llen(key + ":q") == 1, TIMEOUT, 0.02, "a to park")
+        b = n.send("in_line", (k, 0.0, "b"))
+        wait_until(lambda: n.locks.llen(key + ":q") == 2, TIMEOUT, 0.02, "b to park")
+        # the holder's key handed to A, A's turn "sent" and slow: reserved for A for 60 s
+        reply = server.run(scripts.FORCE_RELEASE, server.keys_for(key), ("",))
+        [handed] = [Handoff.parse(key, item) for item in reply[2:]]
+        assert handed.owner_id == a.id
+        server.turn_timeout = 60.0
+        assert server.confirm(key, handed.entry) and n.locks.pttl(key) > 30_000
+        a.revoke()
+        revoked = time.time()
+        assert b.get(timeout=TIMEOUT)["tag"] == "b"
+        assert starts(wa, k)[-1]["at"] - revoked < 30, "B ran long before A's reservation ran out"
+        assert a.state == "REVOKED"
+    finally:
+        open_gate(wa, k)
+        server.close()
+    holder.get(timeout=TIMEOUT)
+    assert [e["id"] for e in starts(wa, k)] == [holder.id, b.id]
+
+
+# -- 5. celery locks line / drop ---------------------------------------------------------------------
+
+
+def celery_cli(*args: str):
+    """``python -m celery -A apps.worker_app <args>``, as the workers run (cwd tests/)."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "apps.worker_app", *args],
+        cwd=ROOT / "tests", capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), **WORKER_ENV},
+    )
+
+
+@pytest.mark.slow
+def test_cli_lists_a_line_in_order_and_drops_one_waiter(redis_nodes):
+    """`celery locks line KEY` lists the waiters in order (place, task id, state, waited, gives up
+    in); `celery locks drop KEY TASK_ID --yes` takes one out (REVOKED; it never runs), with the
+    exit statuses of `release`: 0 done, 1 nothing there, 2 a bad key."""
+    n, wa = redis_nodes, redis_nodes.wa
+    k = f"cli-{uuid.uuid4().hex[:8]}"
+    key = wa.in_line.lock_key_for((k,), {})
+    holder = n.send("in_line", (k, 0.0, "holder", True))
+    try:
+        wait_starts(wa, k, 1)
+        a = n.send("in_line", (k, 0.0, "a"))
+        wait_until(lambda: n.locks.llen(key + ":q") == 1, TIMEOUT, 0.02, "a to park")
+        b = n.send("in_line", (k, 0.0, "b"))
+        wait_until(lambda: n.locks.llen(key + ":q") == 2, TIMEOUT, 0.02, "b to park")
+        out = celery_cli("locks", "line", key, "--json")
+        assert out.returncode == 0, out.stderr
+        rows = json.loads(out.stdout)
+        assert [(r["place"], r["task_id"], r["state"]) for r in rows] == [(1, a.id, "parked"), (2, b.id, "parked")]
+        assert all(r["waited_ms"] >= 0 and 0 < r["gives_up_in_ms"] <= 3600_000 for r in rows)
+        assert rows[0]["waited_ms"] >= rows[1]["waited_ms"] and rows[0]["args"][0] == k
+        text = celery_cli("locks", "line", key)
+        assert text.returncode == 0 and a.id in text.stdout.splitlines()[1] and b.id in text.stdout.splitlines()[2]
+        out = celery_cli("locks", "drop", key, a.id, "--yes")
+        assert out.returncode == 0, (out.stdout, out.stderr)
+        assert f"task {a.id} dropped from the line of lock {key} by user" in out.stdout
+        assert a.state == "REVOKED" and line_of(n.locks, key) == [b.id]
+        assert celery_cli("locks", "drop", key, a.id, "--yes").returncode == 1, "no such waiter any more"
+        assert celery_cli("locks", "drop", key + "x", a.id, "--yes").returncode == 2, "not a lock key"
+        assert celery_cli("locks", "line", wa.in_line.lock_key_for(("nobody",), {})).returncode == 1
+    finally:
+        open_gate(wa, k)
+    assert b.get(timeout=TIMEOUT)["tag"] == "b"
+    holder.get(timeout=TIMEOUT)
+    assert [e["id"] for e in starts(wa, k)] == [holder.id, b.id]
+
+
+# -- 6. a sent turn's record, in the engine (a real Redis, no worker) -----------------------------------
+
+
+def test_a_sent_turn_keeps_its_record_and_reservation_then_ends_at_its_deadline(redis_server):
+    """A turn sent and confirmed: the key stays reserved for it up to the turn timeout, and its record
+    lives at least as long (before: one lock TTL, and the record could expire with the waiters hash
+    while the copy travelled: "already ran", WAITING forever). Once the turn timeout passed the key on,
+    the record stays out of the line until its lock_max_wait deadline, when the sweep fails it
+    ("expired"; before: nothing ever timed it out)."""
+    server = LockServer.from_url(redis_server.url(2))
+    try:
+        name = f"record-{uuid.uuid4().hex[:8]}"
+        key = slot_safe(name)
+        client = server.client
+        holder = server.acquire(name, 5, owner_id="holder")
+        assert queue.park(server, name, "e1", kind="t", wait=60, ttl=5, owner_id="w1", message=b"m") == 1
+        [turn] = server.release(holder).handoffs  # no sender here: reserved, not yet sent
+        assert turn.entry == "e1"
+        server.turn_timeout = 120.0
+        assert server.confirm(name, "e1")
+        assert client.pttl(key) > 100_000, "reserved for the sent turn up to the turn timeout"
+        assert client.pttl(key + ":w") > 120_000, "its record outlives the reservation"
+
+        name = f"record-late-{uuid.uuid4().hex[:8]}"
+        key = slot_safe(name)
+        holder = server.acquire(name, 5, owner_id="holder")
+        queue.park(server, name, "e2", kind="t", wait=1.5, ttl=0.2, owner_id="w2", message=b"m")
+        server.turn_timeout = 0.4
+        server.release(holder)
+        assert server.confirm(name, "e2")
+        wait_until(lambda: not client.exists(key), 5, 0.05, "the turn timeout to pass the key on")
+        next_ms, handoffs = queue.sweep(server, name)
+        assert handoffs == () and next_ms > 0 and client.hexists(key + ":w", "e2"), "kept until its deadline"
+        expired = wait_until(lambda: queue.sweep(server, name)[1], 5, 0.1, "the deadline")
+        assert [(h.what, h.owner_id) for h in expired] == [("expired", "w2")]
+        assert not client.exists(key + ":w", key + ":q")
+    finally:
+        server.close()
+
+
+def test_start_worker_consumes_the_turns_queue_of_each_of_its_queues(redis_server, run_worker):
+    """celery.contrib.testing.worker.start_worker (as `celery worker -Q`) with a LockedTask: the
+    worker also consumes <queue>.singleton_turns for each queue it consumes, and no more."""
+    app = make_app(redis_server)
+    queues = [f"csl-tq-{uuid.uuid4().hex[:8]}", f"csl-tq-{uuid.uuid4().hex[:8]}"]
+
+    @locked(app, lock_key=["k"], on_duplicate="retry")
+    def job(self, k):
+        return k
+
+    with run_worker(app, pool="threads", concurrency=1, queues=queues):
+        assert sorted(app.amqp.queues.consume_from) == sorted([*queues, *(q + SUFFIX for q in queues)])
+        assert job.apply_async(("x",), queue=queues[1]).get(timeout=TIMEOUT) == "x"

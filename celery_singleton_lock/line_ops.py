@@ -1,0 +1,70 @@
+"""Taking a task out of a waiting line: what a revoke and ``celery locks drop`` do to Redis.
+
+A parked task has no message in any worker, so nothing in Celery can take it
+out of the line by itself: :func:`remove` does, in one script on the key's
+slot (every record of that task id goes; if the key was reserved for it, the
+key passes to the next waiter at once, as a release would), and
+:func:`remove_everywhere` looks for the task id in every line that has
+waiters (the sweeper's index: one round trip per such key). Engine code: it
+knows nothing of Celery; :mod:`celery_singleton_lock.revoke` and
+:mod:`celery_singleton_lock.cli_line` call it.
+"""
+
+from __future__ import annotations
+
+from redis.exceptions import RedisError
+
+from . import scripts
+from .lock import Handoff, slot_safe
+from .server import LockServer
+
+REMOVE = scripts._HAND_OFF + """
+-- ARGV[1] an owner id (a task id). Every waiter of that owner leaves the line:
+-- parked, a redelivered copy, or one whose turn was handed (sent or not). If
+-- the key was reserved for one of them, it passes to the next waiter here.
+-- Plain code (kind p) is left alone: it leaves by itself. O(waiters).
+-- Returns {removed, hand-offs...}.
+local held = redis.call('GET', LOCK) or ''
+local removed, reserved = 0, false
+local flat = redis.call('HGETALL', WAITERS)
+for i = 1, #flat, 2 do
+  local e = flat[i]
+  local kind, _, _, _, owner = parse(flat[i + 1])
+  if owner == ARGV[1] and kind ~= 'p' then
+    redis.call('LREM', LINE, 0, e)
+    redis.call('HDEL', WAITERS, e)
+    removed = removed + 1
+    if string.sub(held, 1, #e + 2) == '~' .. e .. ' ' then reserved = true end
+  end
+end
+if not reserved then return {removed} end
+redis.call('DEL', LOCK)
+return hand_off(clock(), '', {removed})
+"""
+
+
+def remove(server: LockServer, name: str, owner_id: str) -> tuple[int, tuple[Handoff, ...]]:
+    """Take task ``owner_id`` out of ``name``'s line; (how many of its entries went, the hand-offs
+    made, already sent through ``server.dispatch``)."""
+    if not owner_id or "\n" in owner_id:
+        raise ValueError(f"a task id must be a non-empty line of text, got {owner_id!r}")
+    key = slot_safe(name)
+    reply = server.run(REMOVE, server.keys_for(key), (owner_id,))
+    handoffs = tuple(Handoff.parse(key, item) for item in reply[1:])
+    server.dispatch(handoffs)
+    return int(reply[0]), handoffs
+
+
+def remove_everywhere(server: LockServer, index: str, owner_id: str) -> list[str]:
+    """Take task ``owner_id`` out of every line listed in the sweeper's ``index``; the keys it left."""
+    try:
+        keys = server.client.zrange(index, 0, -1)
+    except RedisError as exc:
+        raise server.error(exc, index) from exc
+    left = []
+    for raw in keys:
+        key = raw.decode() if isinstance(raw, bytes) else str(raw)
+        removed, _ = remove(server, key, owner_id)
+        if removed:
+            left.append(key)
+    return left
