@@ -6,6 +6,8 @@ starting a worker or importing this module on the client side):
 ``BENCH_HOT_BROKER_URL``   broker (a redis-server of its own)
 ``BENCH_HOT_LOCK_URL``     the lock server (a redis-server of its own)
 ``BENCH_RECORD_DIR``       where each worker process appends its records
+``BENCH_HOT_QUEUE``        the task queue (default ``celery``; backlog.py gives each run its own)
+``BENCH_HOT_LOCK_TTL``     the lock TTL (default: the package's)
 
 The tasks all take ``(sku, seq, body_s, ...)``, sleep ``body_s`` under a lock on
 ``sku`` and record when their body started and ended:
@@ -15,6 +17,7 @@ The tasks all take ``(sku, seq, body_s, ...)``, sleep ``body_s`` under a lock on
 ``hot.plain``     no lock at all: Celery's own publish -> body start latency (the baseline)
 ``hot.backoff``   LockedTask, ``on_duplicate="backoff"`` with its defaults: the old
                   policy, re-published with jittered exponential back-off
+``hot.filler``    no lock, no record: the other short work of a busy queue (backlog.py)
 ``hot.rlock``     a plain task holding redis-py's ``Lock(timeout=30, sleep=0.1)`` with
                   ``blocking_timeout``: it keeps its worker slot while it sleep-polls
 
@@ -56,6 +59,10 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_send_task_events=False,
 )
+if os.environ.get("BENCH_HOT_QUEUE"):
+    app.conf.task_default_queue = os.environ["BENCH_HOT_QUEUE"]
+if os.environ.get("BENCH_HOT_LOCK_TTL"):
+    app.conf.singleton_lock_ttl = float(os.environ["BENCH_HOT_LOCK_TTL"])
 
 _fd: int | None = None
 _fd_pid = 0
@@ -100,6 +107,12 @@ def hot_plain(sku: str, seq: int, body_s: float, gate: str = "") -> int:
 @app.task(name="hot.backoff", base=LockedTask, lock_key=["sku"], on_duplicate="backoff")
 def hot_backoff(sku: str, seq: int, body_s: float, gate: str = "") -> int:
     return _body("backoff", seq, body_s, gate)
+
+
+@app.task(name="hot.filler")
+def hot_filler(body_s: float) -> None:
+    """The other work of a busy queue: no lock, no record."""
+    time.sleep(body_s)
 
 
 _rl_client: redis.Redis | None = None

@@ -395,6 +395,10 @@ def render(results: dict[str, Any], smoke: bool) -> dict[str, str]:
 
     if "hot" in results:
         sections["hot"] = render_hot(results["hot"])
+    if results.get("backlog"):
+        import backlog  # benchmarks/ is on sys.path wherever the report is made
+
+        sections["backlog"] = backlog.render(results["backlog"], _table)
     if "plain_handoff" in results:
         sections["plain_handoff"] = render_plain_handoff(results["plain_handoff"])
     if "footprint" in results:
@@ -409,7 +413,8 @@ def render(results: dict[str, Any], smoke: bool) -> dict[str, str]:
         f"- **{g['goal']}: {'MET' if g['met'] else 'NOT MET'}.** {g['figure']}" for g in goals)
     results["goals"] = goals
 
-    order = ("cost", "throughput", "commands", "hot", "plain_handoff", "footprint", "quorum", "topologies", "scale",
+    order = ("cost", "throughput", "commands", "hot", "backlog", "plain_handoff", "footprint", "quorum", "topologies",
+             "scale",
              "lost",
              "breakdown",
              "micro", "profile", "goals")
@@ -728,6 +733,10 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     })
     if "hot" in results:
         goals += hot_goals(results["hot"])
+    if results.get("backlog"):
+        import backlog
+
+        goals += backlog.goals(results["backlog"])
     if "footprint" in results:
         goals += footprint_goals(results["footprint"])
     return goals
@@ -941,7 +950,8 @@ def results_markdown(results: dict[str, Any], text: dict[str, str], chart_note: 
         text["commands"],
         "",
     ]
-    for key, title in (("hot", "Hot keys: many tasks on one key"), ("plain_handoff", "Plain-code hand-off"),
+    for key, title in (("hot", "Hot keys: many tasks on one key"), ("backlog", "Hot key under a backlog"),
+                       ("plain_handoff", "Plain-code hand-off"),
                        ("quorum", "Quorum mode"), ("topologies", "Sentinel and Redis Cluster"),
                        ("footprint", "Footprint: what is left in the lock Redis")):
         if text.get(key):

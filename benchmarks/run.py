@@ -7,6 +7,7 @@ hot keys (many tasks on one key), hand-off latency, the round-trip floor, and wh
     python3 benchmarks/run.py --profile  # also profile the worker's LockedTask path with py-spy
     python3 benchmarks/run.py --param scale_ours=100,1000 ...   # other sizes; results in benchmarks/out/custom
     python3 benchmarks/run.py --rerender benchmarks/results.json  # rewrite RESULTS.md (e.g. after editing NOTES.md)
+    python3 benchmarks/run.py --backlog  # only the hot key under a backlog (Redis broker and RabbitMQ)
 
 Only a full run with no --param replaces benchmarks/RESULTS.md, benchmarks/cost.png and
 benchmarks/results.json (its raw figures); raw results and worker logs also go to benchmarks/out/.
@@ -100,6 +101,8 @@ FULL = dict(
     floor_n=5000, quorum_n=2000, topo_n=10000, topo_seconds=15.0,
     hot_nodes=2, hot_concurrency=2, hot_n=300, hot_body=0.05, hot_cap_ours=90.0, hot_cap=100.0,
     handoff_n=200, handoff_body=0.02,
+    backlog_n=300, backlog_body=0.05, backlog_ttl=5.0, backlog_filler=0.05, backlog_brokers=("redis", "amqp"),
+    backlog_prefetch=4,
     plain_procs=8, plain_rounds=20, plain_hold=0.002,
     fp_n=20000, fp_waits=(30.0, 120.0), fp_window=60.0,
 )
@@ -112,6 +115,8 @@ SMOKE = dict(
     floor_n=200, quorum_n=50, topo_n=300, topo_seconds=1.0,
     hot_nodes=2, hot_concurrency=2, hot_n=20, hot_body=0.01, hot_cap_ours=30.0, hot_cap=3.0,
     handoff_n=10, handoff_body=0.01,
+    backlog_n=20, backlog_body=0.01, backlog_ttl=2.0, backlog_filler=0.02, backlog_brokers=("redis",),
+    backlog_prefetch=4,
     plain_procs=4, plain_rounds=2, plain_hold=0.002,
     fp_n=200, fp_waits=(), fp_window=60.0,
 )
@@ -128,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit_on_signal)
 
+    import backlog
     import footprint
     import harness
     import hotkeys
@@ -147,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
     meta = report.machine_meta(args)
     rng = random.Random(args.seed)
     results: dict = {"meta": meta, "params": {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()}}
+    if args.backlog:
+        return backlog_only(results, p, out_dir)
 
     with RedisServer() as broker, RedisServer() as locks:
         meta["redis_server"] = ".".join(map(str, locks.version()))
@@ -250,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
                 say(f"  {v}: " + report.footprint_line(res))
             say("6. hot keys: tasks on ONE key, real prefork workers (their own broker and lock server)")
             results["hot"] = hotkeys.run(out_dir, p, say)
+            say("6b. hot key under a backlog: the same drain while its queue is kept 2 x the lock TTL deep")
+            results["backlog"] = backlog.run(out_dir, p, say)
             say(f"7. plain-code hand-off: {p['plain_procs']} processes on one key, {p['plain_rounds']} rounds")
             plain_impls = ["ours", "redis-py"] + (["python-redis-lock"] if report.importable("redis_lock") else [])
             results["plain_handoff"] = []
@@ -291,6 +301,23 @@ def run(args: argparse.Namespace) -> int:
     official = not args.smoke and not args.param
     report.write_outputs(results, text, out_dir, official=official, bench_dir=BENCH_DIR)
     say(f"done in {results['meta']['duration_s']:.0f}s")
+    return 0
+
+
+def backlog_only(results: dict, p: dict, out_dir: Path) -> int:
+    """``--backlog``: only the hot key under a backlog; prints it, writes out_dir/backlog.json (never RESULTS.md)."""
+    import json
+
+    import backlog
+    import report
+
+    started = time.time()
+    results["backlog"] = backlog.run(out_dir, p, say)
+    print(backlog.render(results["backlog"], report._table), flush=True)
+    for goal in backlog.goals(results["backlog"]):
+        print(f"- {goal['goal']}: {'MET' if goal['met'] else 'NOT MET'}. {goal['figure']}", flush=True)
+    (out_dir / "backlog.json").write_text(json.dumps(results, indent=1, default=str))
+    say(f"done in {time.time() - started:.0f}s; raw figures in {out_dir / 'backlog.json'}")
     return 0
 
 
@@ -345,12 +372,14 @@ def main() -> int:
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="override one size, e.g. --param rounds=3 --param scale_ours=100,1000 "
                         "(for trying things out; RESULTS.md records the overrides in the command)")
+    parser.add_argument("--backlog", action="store_true", help="only the hot key under a backlog (about two "
+                        "minutes with RabbitMQ; never RESULTS.md)")
     parser.add_argument("--rerender", metavar="RESULTS_JSON",
                         help="only write RESULTS.md and the chart again from a run's results.json "
                         "(e.g. after editing benchmarks/NOTES.md); measures nothing")
     args = parser.parse_args()
     if args.out is None:  # an official run (full, no --param) keeps its own directory
-        kind = "smoke" if args.smoke else ("custom" if args.param or args.rerender else "full")
+        kind = "smoke" if args.smoke else ("custom" if args.param or args.rerender or args.backlog else "full")
         args.out = str(BENCH_DIR / "out" / kind)
     if not args.smoke and not args.no_venv and not in_venv(VENV):
         py = ensure_venv(Path(args.out))

@@ -126,10 +126,7 @@ def _consume_turns(sender: Any = None, **_: Any) -> None:
 
 
 def _has_locked_tasks(app: Any) -> bool:
+    """Whether the app has a LockedTask (the worker imported its task modules before worker_init)."""
     from .task import LockedTask  # task.py imports this module
 
-    try:
-        app.loader.import_default_modules()
-    except Exception:  # the worker reports its own import errors
-        return False
     return any(isinstance(task, LockedTask) for task in list(app.tasks.values()))

@@ -63,6 +63,9 @@ def test_benchmarks_smoke_run(tmp_path: Path) -> None:
     handoff = results["hot"]["handoff"]
     assert handoff["latency_ms"]["n"] == handoff["n"] and handoff["overlaps"] == 0 and handoff["on_one_node"]
     assert {r["impl"] for r in results["plain_handoff"]} >= {"ours", "redis-py"}
+    busy = results["backlog"]["redis"]["busy"]  # the hot key under a backlog: exact, in order, one turn each
+    assert busy["finished"] and busy["lost"] == 0 and busy["overlaps"] == 0 and busy["ran_twice"] == 0
+    assert busy["in_order"] == 1.0 and busy["publishes_by_why"].get("entry", 0) == busy["duplicates"] > 0
     assert all(r["overlaps"] == 0 and r["handoffs"] > 0 for r in results["plain_handoff"])
     fp = results["footprint"]["variants"]
     n = results["footprint"]["n"]
