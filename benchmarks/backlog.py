@@ -175,9 +175,9 @@ class Feeder:
         return [d for t, d in self.samples if t0 <= t <= t1]
 
 
-def one_broker(out_dir: Path, p: dict[str, Any], broker: str, progress: Callable[[str], None]) -> dict[str, Any]:
+def one_broker(out_dir: Path, p: dict[str, Any], broker: str, prefetch: int,
+               progress: Callable[[str], None]) -> dict[str, Any]:
     n, body, ttl, filler = p["backlog_n"], p["backlog_body"], p["backlog_ttl"], p["backlog_filler"]
-    prefetch = p["backlog_prefetch"]
     with BacklogCluster(out_dir, p["hot_nodes"], p["hot_concurrency"], broker, ttl, prefetch) as cluster:
         slots = p["hot_nodes"] * p["hot_concurrency"]
         progress(f"  {broker}: idle queue, {n} deductions x {body * 1000:g} ms on one key")
@@ -202,13 +202,16 @@ def one_broker(out_dir: Path, p: dict[str, Any], broker: str, progress: Callable
 
 
 def run(out_dir: Path, p: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
+    """Every broker at every prefetch multiplier (Celery's default 4 first); keyed "redis", "amqp-p1", ..."""
     out: dict[str, Any] = {}
-    for broker in p["backlog_brokers"]:
-        if broker == "amqp" and not rabbit_up():
-            progress("  amqp: RabbitMQ does not accept connections on 127.0.0.1:5672: left out")
-            continue
-        out[broker] = one_broker(out_dir, p, broker, progress)
-        progress("    " + line(out[broker]))
+    for prefetch in p["backlog_prefetch"]:
+        for broker in p["backlog_brokers"]:
+            if broker == "amqp" and not rabbit_up():
+                progress("  amqp: RabbitMQ does not accept connections on 127.0.0.1:5672: left out")
+                continue
+            name = broker if prefetch == 4 else f"{broker}-p{prefetch}"
+            out[name] = one_broker(out_dir, p, broker, prefetch, progress)
+            progress("    " + line(out[name]))
     return out
 
 
@@ -228,7 +231,8 @@ def _judge(r: dict[str, Any]) -> dict[str, Any]:
 def line(r: dict[str, Any]) -> str:
     busy, j = r["busy"], _judge(r)
     wall = f"{busy['wall_s']:.1f} s" if busy["finished"] else f"did not finish ({busy['completed']} of {busy['n']})"
-    return (f"{r['broker']}: wall {wall} (bound {j['bound_s']:.1f} s); median gap "
+    return (f"{r['broker']}, prefetch multiplier {r.get('prefetch', 4)}: wall {wall} (bound {j['bound_s']:.1f} s); "
+            f"median gap "
             f"{busy['gap_ms']['p50'] or 0:.1f} ms (idle {r['idle']['gap_ms']['p50'] or 0:.1f} ms); lost "
             f"{busy['lost']}, twice {busy['ran_twice']}, overlaps {busy['overlaps']}, in order "
             f"{(busy['in_order'] or 0) * 100:.1f} %")
@@ -244,7 +248,7 @@ def render(results: dict[str, Any], table: Callable[[list[str], list[list[str]]]
     for r in results.values():
         busy, idle, j = r["busy"], r["idle"], _judge(r)
         rows.append([
-            LABELS.get(r["broker"], r["broker"]),
+            LABELS.get(r["broker"], r["broker"]), str(r.get("prefetch", 4)),
             f"{r['depth_tasks']:,} ({r['depth_s']:.1f} s; at least {r['min_depth_s'] or 0:.1f} s during the drain)",
             f"{busy['wall_s']:.1f}" if busy["finished"] else f"did not finish ({busy['completed']:,} done)",
             f"{j['bound_s']:.1f}", f"{idle['wall_s']:.1f}" if idle["finished"] else "–",
@@ -256,15 +260,15 @@ def render(results: dict[str, Any], table: Callable[[list[str], list[list[str]]]
     b = first["busy"]
     return (
         f"**Hot key under a backlog** ({b['n']:,} deductions × {b['body_s'] * 1000:g} ms on ONE key, published at "
-        f"once, {b['nodes']} nodes × prefork -c {b['concurrency']}, "
-        + ("Celery's default prefetch (multiplier 4)" if first.get("prefetch", 4) == 4
-           else f"worker_prefetch_multiplier {first['prefetch']}")
-        + f", lock TTL "
+        f"once, {b['nodes']} nodes × prefork -c {b['concurrency']}, with Celery's default "
+        f"`worker_prefetch_multiplier` (4) and with 1, lock TTL "
         f"{first['ttl']:g} s, while a feeder keeps the same queue at least 2 × the TTL deep with "
         f"{first['filler_s'] * 1000:g} ms tasks of no lock. Depth in seconds = fillers queued / the rate the nodes "
         "eat them. Goal: wall ≤ 1.15 × the serial ideal + the depth in seconds + 2 s; median gap between "
-        "consecutive bodies of the key ≤ 3 × the idle queue's.)\n\n"
-        + table(["broker", "backlog, fillers (seconds)", "wall s", "goal s", "idle-queue wall s",
+        "consecutive bodies of the key ≤ 3 × the idle queue's. Under a saturated queue a turn still waits for "
+        "a worker slot: behind the prefetched backlog tasks of the worker that takes it.)\n\n"
+        + table(["broker", "worker_prefetch_multiplier", "backlog, fillers (seconds)", "wall s", "goal s",
+                 "idle-queue wall s",
                  "median gap ms, busy / idle", "lost / twice / overlaps", "in park order",
                  "worker publishes per duplicate"], rows))
 
@@ -273,7 +277,7 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for r in results.values():
         j, idle = _judge(r), r["idle"]
-        name = LABELS.get(r["broker"], r["broker"])
+        name = LABELS.get(r["broker"], r["broker"]) + f", prefetch multiplier {r.get('prefetch', 4)}"
         out.append({
             "goal": f"Hot key under a backlog, {name} (wall ≤ 1.15 × ideal + backlog depth + 2 s; median gap ≤ 3 × "
                     "idle; 0 lost / twice / overlaps; ≥ 99 % in order)",

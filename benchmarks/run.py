@@ -102,7 +102,7 @@ FULL = dict(
     hot_nodes=2, hot_concurrency=2, hot_n=300, hot_body=0.05, hot_cap_ours=90.0, hot_cap=100.0,
     handoff_n=200, handoff_body=0.02,
     backlog_n=300, backlog_body=0.05, backlog_ttl=5.0, backlog_filler=0.05, backlog_brokers=("redis", "amqp"),
-    backlog_prefetch=4,
+    backlog_prefetch=(4, 1),
     plain_procs=8, plain_rounds=20, plain_hold=0.002,
     fp_n=20000, fp_waits=(30.0, 120.0), fp_window=60.0,
 )
@@ -116,7 +116,7 @@ SMOKE = dict(
     hot_nodes=2, hot_concurrency=2, hot_n=20, hot_body=0.01, hot_cap_ours=30.0, hot_cap=3.0,
     handoff_n=10, handoff_body=0.01,
     backlog_n=20, backlog_body=0.01, backlog_ttl=2.0, backlog_filler=0.02, backlog_brokers=("redis",),
-    backlog_prefetch=4,
+    backlog_prefetch=(4,),
     plain_procs=4, plain_rounds=2, plain_hold=0.002,
     fp_n=200, fp_waits=(), fp_window=60.0,
 )

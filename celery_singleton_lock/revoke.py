@@ -104,6 +104,8 @@ def _lines_of(app: Any) -> list[tuple[Any, str]]:
 
 @worker_init.connect(weak=False)
 def _install(sender: Any = None, **_: Any) -> None:
+    from .turns import has_locked_tasks
+
     app = getattr(sender, "app", None)
-    if app is not None:
+    if app is not None and has_locked_tasks(app):  # the worker imported its task modules already
         app.steps["consumer"].add(RevokeWatch)

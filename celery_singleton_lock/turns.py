@@ -117,7 +117,7 @@ def check_broker(app: Any) -> None:
 @worker_init.connect(weak=False)
 def _consume_turns(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
-    if app is None or not _has_locked_tasks(app):
+    if app is None or not has_locked_tasks(app):
         return
     added = add_turns_queues(app)
     if added:
@@ -125,7 +125,7 @@ def _consume_turns(sender: Any = None, **_: Any) -> None:
     check_broker(app)
 
 
-def _has_locked_tasks(app: Any) -> bool:
+def has_locked_tasks(app: Any) -> bool:
     """Whether the app has a LockedTask (the worker imported its task modules before worker_init)."""
     from .task import LockedTask  # task.py imports this module
 
