@@ -14,12 +14,16 @@ Two things keep a line moving when nobody releases:
   expires within its TTL, and the :class:`Sweeper` that runs in every worker
   process then passes the key on. It finds the keys to look at in a small
   index, ``<prefix>:{waiting}``, scored by when each key is next worth a look
-  (its holder's expiry, its first waiter's deadline), and lends the due ones
+  (its holder's expiry, its waiters' soonest deadline), and lends the due ones
   to one sweeper at a time;
 * a releaser killed between the hand-off and the publish leaves the waiter
-  "handed but not sent": when the reservation runs out unclaimed, the
-  sweeper sends it again. A waiter whose message was sent but is slow to
-  arrive loses its turn instead, and claims the key whenever it arrives.
+  "handed but not sent": when the reservation (one lock TTL) runs out
+  unclaimed, the sweeper sends it again. A waiter whose message was sent
+  keeps the key reserved until it arrives, however slow the broker, up to the
+  server's ``turn_timeout``; past that the key passes on, and the late copy,
+  if it comes, goes back to the head of the line;
+* every waiter past its ``lock_max_wait`` deadline (counted from its first
+  park), wherever it stands, is timed out by the sweeper's look at the key.
 
 And if the lock Redis loses its data (a restart without persistence), the
 parked messages go with it. Each process remembers the messages it parked
