@@ -36,7 +36,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from celery.signals import worker_init
+from celery.signals import worker_init, worker_ready
 from kombu.entity import Exchange, Queue
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -101,17 +101,25 @@ def add_turns_queues(app: Any) -> list[str]:
 
 
 def check_broker(app: Any) -> None:
-    """Say how this broker serves the turns queues (logged at worker start)."""
+    """Say at worker start how this broker and prefetch serve the turns queues (logged once)."""
     url = str(app.conf.broker_url or "")
     scheme = url.split("://", 1)[0].lower()
-    if app.conf.worker_disable_prefetch and scheme.startswith("redis"):
-        logger.info("celery-singleton-lock: worker_disable_prefetch is on: turns wait for a free pool slot only")
-    if scheme in ("redis", "rediss", "sentinel", "amqp", "amqps", "pyamqp"):
-        return
-    logger.warning(
-        "celery-singleton-lock: broker %r is not Redis or RabbitMQ: the turns queues are consumed, but whether "
-        "a turn can overtake the backlog depends on how this transport serves several queues", scheme,
-    )
+    if scheme not in ("redis", "rediss", "sentinel", "amqp", "amqps", "pyamqp"):
+        logger.warning(
+            "celery-singleton-lock: broker %r is not Redis or RabbitMQ: the turns queues are consumed, but whether "
+            "a turn overtakes a backlog depends on how this transport serves several queues", scheme,
+        )
+    multiplier = app.conf.worker_prefetch_multiplier
+    if isinstance(multiplier, int) and multiplier > 1 and not app.conf.worker_disable_prefetch:
+        logger.info(
+            "celery-singleton-lock: worker_prefetch_multiplier is %d: under a busy queue a waiter's turn waits "
+            "behind up to %d x concurrency prefetched tasks of the worker that takes it; 1 makes that about one "
+            "task", multiplier, multiplier,
+        )
+
+
+_pending: list[Any] = []
+"""What worker_init found, logged at worker_ready: the worker configures its logging in between."""
 
 
 @worker_init.connect(weak=False)
@@ -120,9 +128,16 @@ def _consume_turns(sender: Any = None, **_: Any) -> None:
     if app is None or not has_locked_tasks(app):
         return
     added = add_turns_queues(app)
-    if added:
-        logger.info("celery-singleton-lock: this worker also consumes the turns queues %s", ", ".join(added))
-    check_broker(app)
+    _pending.append((app, added))
+
+
+@worker_ready.connect(weak=False)
+def _say_turns(**_: Any) -> None:
+    while _pending:
+        app, added = _pending.pop()
+        if added:
+            logger.info("celery-singleton-lock: this worker also consumes the turns queues %s", ", ".join(added))
+        check_broker(app)
 
 
 def has_locked_tasks(app: Any) -> bool:

@@ -215,6 +215,8 @@ def drain_under_backlog(n: Nodes, count: int = 6) -> None:
         turns = [p for p in publishes(wa, d.id) if p.get("singleton_lock_entry")]
         assert len(turns) == 1, f"ONE turn for {d.id} (no re-park, no re-send), got {publishes(wa, d.id)}"
     assert [e["id"] for e in ran[1:]] == parked_order, "in park order"
+    for w in n.workers:  # each said at start which turns queue it consumes
+        assert f"also consumes the turns queues {n.queue}{SUFFIX}" in w.log()
     print(f"\n[line-load] {n.broker}: {count} turns under a {depth}-task backlog drained in {drained:.2f} s")
 
 
