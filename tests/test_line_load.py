@@ -7,7 +7,9 @@
    reservation until it arrives; no livelock.
 3. ``lock_max_wait`` counts from the first park and holds for a waiter that is not the head.
 4. A copy whose turn passed on while it travelled (the turn timeout) goes back to the head of the
-   line, not ahead of it, and is never dropped as "already ran".
+   line, not ahead of it, and is never dropped as "already ran"; its record lives as long as its
+   reservation, and ends at its deadline.
+5. Revoke of a waiting task, and `celery locks line` / `drop`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from celery import Celery
 from conftest import make_app
 
 from celery_singleton_lock import LockServer, LockWaitTimeout, held, queue, scripts
-from celery_singleton_lock.lock import Handoff, slot_safe
+from celery_singleton_lock.lock import Handoff, Lock, slot_safe
 from celery_singleton_lock.queue import SWEEP_INTERVAL, SWEEP_LEASE
 from celery_singleton_lock.testing import wait_until
 from celery_singleton_lock.turns import SUFFIX
@@ -520,3 +522,33 @@ def test_start_worker_consumes_the_turns_queue_of_each_of_its_queues(redis_serve
     with run_worker(app, pool="threads", concurrency=1, queues=queues):
         assert sorted(app.amqp.queues.consume_from) == sorted([*queues, *(q + SUFFIX for q in queues)])
         assert job.apply_async(("x",), queue=queues[1]).get(timeout=TIMEOUT) == "x"
+
+
+def test_a_late_copy_never_takes_a_free_key_ahead_of_live_waiters(redis_server):
+    """A's turn was sent, its reservation passed on to B, and B's (never sent) ran out too: the key is
+    free, B waits at the head. A's late copy does not take the key ahead of B (before: it did, as its
+    entry was out of the line); it goes back to the head (it is the oldest), and the sweep hands it
+    the key in its turn."""
+    server = LockServer.from_url(redis_server.url(2))
+    try:
+        name = f"late-fifo-{uuid.uuid4().hex[:8]}"
+        key = slot_safe(name)
+        client = server.client
+        holder = server.acquire(name, 5, owner_id="holder")
+        queue.park(server, name, "ea", kind="t", wait=60, ttl=0.2, owner_id="a", message=b"m")
+        queue.park(server, name, "eb", kind="t", wait=60, ttl=0.2, owner_id="b", message=b"m")
+        [turn] = server.release(holder).handoffs
+        assert turn.owner_id == "a" and server.confirm(name, "ea")  # sent: reserved up to the turn timeout
+        client.pexpire(key, 1)  # ... which ran out: the key passes on (a purged or very slow queue)
+        wait_until(lambda: not client.exists(key), 5, 0.01, "A's reservation to run out")
+        _, handed = queue.sweep(server, name)
+        assert [h.owner_id for h in handed] == ["b"]  # B's turn, never sent (no sender here)
+        wait_until(lambda: not client.exists(key), 5, 0.01, "B's reservation to run out")
+        late = server.acquire(name, 5, owner_id="a", entry="ea")
+        assert not isinstance(late, Lock), "A's late copy took the key ahead of B"
+        assert late.queued  # free, but waiters are in line
+        assert queue.park(server, name, "ea", kind="t", wait=50, ttl=0.2, owner_id="a", message=b"m", first=True)
+        _, handed = queue.sweep(server, name)
+        assert [h.owner_id for h in handed] == ["a"], "the oldest waiter first"
+    finally:
+        server.close()
