@@ -11,9 +11,15 @@ the acquire found             who is asking                                  act
 ============================  =============================================  ===========================
 the lock, taken               anyone                                         RUN
 "already succeeded here"      a redelivery (only a redelivery asks)          DROP
+"already succeeded here",     a redelivery                                   REPLAY (return the recorded
+its result never stored                                                      value: Celery stores it and
+                                                                             sends the chain; no body run)
+its waiter entry gone         a hand-off copy the broker redelivered         AGAIN (its run never ended)
 its waiter entry gone         a hand-off copy                                DROP (a twin already ran)
 its waiter entry gone         a copy sent again after Redis lost its data    AGAIN (acquire again, as a
                                                                              redelivery)
+entry gone, and the task      anyone                                         DROP (its entry ran: only a
+started since it parked                                                      lost park is sent again)
 held by the same task id      eager, and that run is up this call stack      REENTER (Celery's replace())
 held by the same task id      eager, elsewhere                               WAIT_HERE
 held by the same task id      a hand-off or recovered copy                   DROP (it runs already)
@@ -47,12 +53,15 @@ class Found(Enum):
     HELD = "held by another"
     QUEUED = "free, but waiters are in line"
     ALREADY_SUCCEEDED = "already succeeded"
+    RESULT_MISSING = "already succeeded, its result never stored (the value is recorded)"
     ENTRY_GONE = "entry gone"
+    ENTRY_RAN = "entry gone, and the result backend shows the task started since it parked"
 
 
 class Action(Enum):
     RUN = "run"
     DROP = "drop"
+    REPLAY = "return the recorded value without running the body"
     AGAIN = "acquire again as a new delivery"
     REENTER = "run under the lock of the same task id up this call stack"
     WAIT_HERE = "wait in line, blocking"
@@ -98,10 +107,12 @@ def decide(found: Found, who: Delivery) -> Action:
 def _by_table(found: Found, who: Delivery) -> Action:
     if found is Found.TAKEN:
         return Action.RUN
-    if found is Found.ALREADY_SUCCEEDED:
+    if found is Found.ALREADY_SUCCEEDED or found is Found.ENTRY_RAN:
         return Action.DROP
+    if found is Found.RESULT_MISSING:
+        return Action.REPLAY
     if found is Found.ENTRY_GONE:
-        return Action.AGAIN if who.recovered else Action.DROP
+        return Action.AGAIN if who.recovered or (who.handoff and who.redelivered) else Action.DROP
     if found is Found.HELD_BY_SELF:
         if who.eager:
             return Action.REENTER if who.holder_on_stack else Action.WAIT_HERE

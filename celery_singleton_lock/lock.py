@@ -74,6 +74,14 @@ class Verdict(Enum):
 
 
 @dataclass(frozen=True)
+class Done:
+    """An acquire that found this owner already succeeded here, with what its body returned
+    (serialised; see ``release(value=...)``)."""
+
+    value: bytes
+
+
+@dataclass(frozen=True)
 class Holder:
     """Who holds a lock that we did not get (``queued``: nobody, but waiters are in line)."""
 

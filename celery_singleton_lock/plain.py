@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 from . import reentry
 from .exceptions import LockContended
-from .lock import Holder, Lock, Verdict, slot_safe
+from .lock import Done, Holder, Lock, Verdict, slot_safe
 from .queue import wait_turn
 from .server import LockServer
 from .servers import from_settings
@@ -66,7 +66,7 @@ def held(
         with reentry.again(mine) as lock:
             yield lock
         return
-    outcome: Lock | Holder | Verdict | None = None
+    outcome: Lock | Holder | Verdict | Done | None = None
     if wait <= 0 or reentry.holds_key(key):  # else wait_turn's first try is the only round trip
         outcome = server.acquire(name, ttl, owner_id=owner_id)
     if isinstance(outcome, Holder) and not outcome.queued:
@@ -97,7 +97,9 @@ def held(
             server.release(outcome)
 
 
-def _poll(server: LockServer, name: str, ttl: float, owner_id: str | None, wait: float) -> Lock | Holder | Verdict:
+def _poll(
+    server: LockServer, name: str, ttl: float, owner_id: str | None, wait: float,
+) -> Lock | Holder | Verdict | Done:
     """Try again every 20 ms doubling to 0.5 s, until ``wait`` runs out (quorum mode)."""
     deadline = time.monotonic() + wait
     pause = 0.02

@@ -8,16 +8,14 @@ except in eager mode, where back-off waits in place and returns so the caller tr
 from __future__ import annotations
 
 import logging
-import os
 import random
-import signal
 import time
 from typing import Any, NoReturn
 
 from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Retry
 
-from . import config, handoff, queue
+from . import config, faults, handoff, queue
 from .decide import Action
 from .exceptions import (
     DuplicateTask,
@@ -62,21 +60,21 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
                 queue.leave(server, key, entry)
             raise LockWaitTimeout(key, settings.max_wait)
     message = handoff.pack(task, request, args, kwargs)
-    entry = entry or queue.new_entry()
+    entry = entry or queue.entry_for(request.id)
     place = queue.park(
         server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
         owner_id=request.id, message=message, first=first,
+        again=(request.headers or {}).get(handoff.ENTRY) == entry,
     )
     if not place:
         return
-    # TEST-ONLY fault injection (tests/test_handoff.py): CSL_TEST_KILL_AT=parked kills this process
-    # right after the park, before the delivery ends (its message lives on only in the key's line)
-    if os.environ.get("CSL_TEST_KILL_AT") == "parked":
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        queue.announce(server, settings.index, key)
-    except LockError as exc:  # the line still moves on releases; only a dead holder needs the sweeper
-        logger.warning("lock %s: could not tell the sweepers about its line: %s", key, exc)
+    already = isinstance(place, queue.AlreadyParked)  # a redelivery of a parked message whose ack was lost
+    if not already:
+        faults.kill_at("parked")  # TEST-ONLY: the message lives on only in the key's line
+        try:
+            queue.announce(server, settings.index, key)
+        except LockError as exc:  # the line still moves on releases; only a dead holder needs the sweeper
+            logger.warning("lock %s: could not tell the sweepers about its line: %s", key, exc)
     queue.get_sweeper().remember(server, key, entry, request.id, settings.ttl, message)
     queue.get_sweeper().watch(server, settings.index)
     own = holder_id == request.id
@@ -85,9 +83,10 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
             request.id, {"key": key, "place": place, "holder": holder_id}, WAITING, request=request
         )
     logger.info(
-        "task %s[%s] waits in line for lock %s (place %d, held by %s)%s",
+        "task %s[%s] waits in line for lock %s (place %d, held by %s)%s%s",
         task.name, request.id, key, place, holder_id,
         " as a redelivered copy of the running task" if same else "",
+        ": it was parked already, this delivery ends" if already else "",
     )
     duplicate_skipped.send(
         sender=task, key=key, task_id=request.id, holder_task_id=holder_id,

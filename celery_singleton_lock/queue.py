@@ -37,6 +37,7 @@ holder's TTL runs out, in case the holder died.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
@@ -65,8 +66,21 @@ LONGEST_BLOCK = 5.0
 """Longest single BLPOP of a plain waiter (below the client's socket timeout)."""
 
 
+class AlreadyParked(int):
+    """What :func:`park` returns when the entry is parked already: its place (0 out of line)."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
 def new_entry() -> str:
     return uuid.uuid4().hex
+
+
+def entry_for(task_id: str) -> str:
+    """A task's waiter entry id, derived from its task id: one task id parks at most one entry, so a
+    redelivery of a parked message (its ack lost) finds its entry there instead of parking twice."""
+    return "t" + hashlib.sha1(task_id.encode()).hexdigest()
 
 
 def park(
@@ -80,9 +94,12 @@ def park(
     owner_id: str,
     message: bytes = b"",
     first: bool = False,
+    again: bool = False,
 ) -> int:
-    """Put a waiter in ``name``'s line: its place (1 = next), or 0 if the key is free and nobody
-    waits (then take it instead).
+    """Put a waiter in ``name``'s line: its place (1 = next), 0 if the key is free and nobody
+    waits (then take it instead), or its place if ``entry`` is parked already and
+    ``again`` is False (``again``: the caller is that entry's own copy, which may park it anew):
+    then an :class:`AlreadyParked` (truthy, even at place 0).
 
     ``kind``: "t" a task (``message`` is what to send when its turn comes), "s"
     a redelivered copy of the running task (dropped if the holder succeeds),
@@ -94,9 +111,12 @@ def park(
     key = slot_safe(name)
     reply = server.run(
         scripts.PARK, server.keys_for(key),
-        (entry, kind, ms(wait), ms(ttl), owner_id, message, "1" if first else "0"),
+        (entry, kind, ms(wait), ms(ttl), owner_id, message, "1" if first else "0", "1" if again else "0"),
     )
-    return int(reply[1]) if int(reply[0]) == 1 else 0
+    status = int(reply[0])
+    if status == 2:
+        return AlreadyParked(int(reply[1]))
+    return int(reply[1]) if status == 1 else 0
 
 
 def leave(server: LockServer, name: str, entry: str) -> bool:

@@ -184,12 +184,15 @@ class QuorumLockServer(LockServer):
 
     def acquire(
         self, name: str, ttl: float, *, owner_id: str | None = None, token: str | None = None,
-        entry: str | None = None, check_done: bool = False,
+        entry: str | None = None, check_done: bool = False, retake: str | None = None,
     ) -> Lock | Holder | Verdict:
-        """Take ``name`` on a majority within its validity, then write its fencing token back."""
+        """Take ``name`` on a majority within its validity, then write its fencing token back.
+
+        ``retake`` takes back an earlier attempt's lock under that same token (no rotation here:
+        see README, Limits)."""
         ttl = check_ttl(ttl)
         key = slot_safe(name)
-        token = token or secrets.token_hex(TOKEN_BYTES)
+        token = retake or token or secrets.token_hex(TOKEN_BYTES)
         args = (token, wire.meta(owner_id), ms(ttl), owner_id or "", "1" if check_done else "")
         sent = time.monotonic()
 
@@ -237,8 +240,12 @@ class QuorumLockServer(LockServer):
         self._fan_out(lambda s: s.run(scripts.RELEASE, s.keys_for(key), (probe.prefix, "", "0", "0")),
                       lambda r: True)  # sent, not waited for
 
-    def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0) -> Released:
-        """Release on every member; deleted (status 1) when a majority still had our token."""
+    def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
+                again: bool = False) -> Released:
+        """Release on every member; deleted (status 1) when a majority still had our token.
+
+        ``value`` is not kept (a quorum's done record drops a redelivery; it cannot replay it), and
+        ``again`` changes nothing (a quorum hands no key on)."""
         if lock.pid != os.getpid():
             return Released(-2)
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0")

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from celery import Task
+from kombu.serialization import dumps, loads
 
 from . import config
 from .exceptions import LockBackendRefused, LockBackendUnavailable, LockError
@@ -20,14 +21,17 @@ from .server import LockServer
 logger = logging.getLogger("celery_singleton_lock")
 
 
-def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remember: float) -> int | None:
+def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remember: float,
+            value: bytes = b"") -> int | None:
     """Release with a short timeout, twice at most; the status (1 deleted, 0 gone, -1 another's, -3 refused), None if
-    Redis never answered. A retry after a timed-out try that did execute finds the key gone: that counts
-    as deleted, since the key is then nobody's."""
+    Redis never answered. A retry after a timed-out try that did execute finds the key gone, or handed by
+    that try to the next waiter (RELEASE knows its own hand-off): both count as deleted, and a waiter
+    that try handed the key to is sent by the retry, not one reservation later."""
     server = release_twin(lock.server, settings.release_timeout)
     for attempt in (1, 2):
         try:
-            status = server.release(lock, succeeded=succeeded, remember=remember).status
+            status = server.release(lock, succeeded=succeeded, remember=remember, value=value,
+                                    again=attempt == 2).status
             return 1 if status == 0 and attempt == 2 else status
         except LockBackendUnavailable as exc:
             logger.warning("releasing lock %s failed (try %d of 2): %s", lock.key, attempt, exc)
@@ -57,3 +61,23 @@ def may_be_redelivered(task: Task, request: Any) -> bool:
     return bool(getattr(request, "acks_late", None) or task.acks_late or task.reject_on_worker_lost)
 
 
+
+
+def pack_value(task: Task, value: Any) -> bytes:
+    """What the body returned, serialised with the task's result serializer, for the done record
+    (b"" when it cannot be: then a redelivery that finds no stored result is only dropped)."""
+    try:
+        serializer = task.backend.serializer or task.app.conf.result_serializer
+        content_type, encoding, data = dumps(value, serializer=serializer)
+    except Exception as exc:
+        logger.warning("task %s: its return value cannot be kept with its done record (%r)", task.name, exc)
+        return b""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    return f"{content_type}\n{encoding}\n".encode() + bytes(data)
+
+
+def unpack_value(raw: bytes) -> Any:
+    content_type, encoding, data = raw.split(b"\n", 2)
+    ctype = content_type.decode()
+    return loads(data, ctype, encoding.decode(), accept=[ctype])

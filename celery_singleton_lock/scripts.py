@@ -23,6 +23,11 @@ every key below lives in K's hash slot and no script touches two slots):
 ``K:d``
     done records, only for tasks that can be redelivered after success
     (``acks_late``): a ZSET owner id -> until when (ms) to drop its redeliveries.
+``K:d:<owner id>``
+    what that owner's body returned (``"<content type>\n<encoding>\n<data>"``,
+    the task's result serializer), kept as long as its done record: a redelivery
+    that finds the result never stored (the process died between the release and
+    Celery's store) stores this value and sends the chain without running the body.
 
 Every key expires on its own: nothing is left behind once a lock is released
 and its line is empty. Times in the line are the server's clock (ms), so every
@@ -57,6 +62,7 @@ _HAND_OFF = _KEYS + """
 -- succeeded (drop_owner) and waiters past their deadline (task ones are
 -- returned as 'expired', for the caller to fail them). Appends
 -- {what, entry, record} to out and returns it.
+local handed_by = ''                                            -- RELEASE: the releasing token
 local function hand_off(now, drop_owner, out)
   while true do
     local e = redis.call('LINDEX', LINE, 0)
@@ -77,7 +83,7 @@ local function hand_off(now, drop_owner, out)
       redis.call('HDEL', WAITERS, e)
       if kind == 't' then out[#out + 1] = {'expired', e, rec} end
     else
-      local reserved = cjson.encode({owner = owner, reserved = true})
+      local reserved = cjson.encode({owner = owner, reserved = true, by = handed_by})
       redis.call('SET', LOCK, '~' .. e .. ' 0 ' .. reserved, 'PX', ttl)
       redis.call('HSET', WAITERS, e, kind .. 'h' .. string.sub(rec, 3))
       if kind == 'p' then
@@ -94,21 +100,26 @@ end
 ACQUIRE = _KEYS + """
 -- ARGV[1] token, ARGV[2] metadata (JSON), ARGV[3] ttl ms, ARGV[4] owner id,
 -- ARGV[5] entry id when a waiter claims its turn ('' otherwise),
--- ARGV[6] '1' when ARGV[1] is the token of an earlier attempt whose reply was lost,
+-- ARGV[6] the token of an earlier attempt whose reply was lost ('' none),
 -- ARGV[7] '1' to drop the owner if it already succeeded here (a redelivery).
 -- Returns {1, fence} taken; {0, value, pttl} held (value '' and pttl -2: free,
--- but waiters are in line); {2} already succeeded; {3} the entry is gone.
+-- but waiters are in line); {2, value or nil} already succeeded (value: what
+-- its body returned, if recorded); {3} the entry is gone.
 local now, t = clock()
 if ARGV[7] == '1' then
   local until_ms = redis.call('ZSCORE', DONE, ARGV[4])
-  if until_ms and tonumber(until_ms) > now then return {2} end
+  if until_ms and tonumber(until_ms) > now then return {2, redis.call('GET', DONE .. ':' .. ARGV[4])} end
 end
 local entry = ARGV[5]
 local held = redis.call('GET', LOCK)
 if held then
-  if ARGV[6] == '1' and string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
-    redis.call('PEXPIRE', LOCK, ARGV[3])                        -- ours since the lost reply
-    return {1, string.match(held, '^%S+ (%d+)')}
+  local old = ARGV[6]
+  if old ~= '' and string.sub(held, 1, #old + 1) == old .. ' ' then
+    -- ours since the lost reply. Taken back under the NEW token: a second message
+    -- carrying the old one (a redelivery of the re-send) finds it held
+    local fence = string.match(held, '^%S+ (%d+)')
+    redis.call('SET', LOCK, ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3])
+    return {1, fence}
   end
   if entry ~= '' and redis.call('HEXISTS', WAITERS, entry) == 0 then return {3} end
   if entry == '' or string.sub(held, 1, #entry + 2) ~= '~' .. entry .. ' ' then
@@ -144,13 +155,26 @@ return {1, fence}
 
 RELEASE = _HAND_OFF + """
 -- ARGV[1] "<token> ", ARGV[2] owner id, ARGV[3] '1' if the holder succeeded,
--- ARGV[4] ms to remember that success ('0': not needed).
+-- ARGV[4] ms to remember that success ('0': not needed), ARGV[5] what the body
+-- returned, serialised ('' none), ARGV[6] '1' when this is a retry of a release
+-- whose first try may have run (its reply was lost).
 -- Returns {deleted, hand-offs...}: deleted 1 it was ours, 0 it was gone
 -- already, -1 another holds it. The key passes to the next waiter here.
+handed_by = string.sub(ARGV[1], 1, -2)
 local held = redis.call('GET', LOCK)
 local deleted = 0
 if held then
-  if string.sub(held, 1, #ARGV[1]) ~= ARGV[1] then return {-1} end
+  if string.sub(held, 1, #ARGV[1]) ~= ARGV[1] then
+    local e, meta = string.match(held, '^~(%S+) %d+ (.*)$')
+    if ARGV[6] == '1' and e and cjson.decode(meta).by == handed_by then
+      -- our first try ran and handed the key on, its reply lost: it was ours, and
+      -- the waiter it was handed to is sent now rather than after the reservation
+      local rec = redis.call('HGET', WAITERS, e)
+      if rec and string.sub(rec, 2, 2) == 'h' then return {1, {'run', e, rec}} end
+      return {1}
+    end
+    return {-1}
+  end
   redis.call('DEL', LOCK)
   deleted = 1
 end
@@ -160,6 +184,7 @@ if ARGV[3] == '1' and ARGV[4] ~= '0' then
   redis.call('ZADD', DONE, now + tonumber(ARGV[4]), ARGV[2])
   redis.call('ZREMRANGEBYSCORE', DONE, '-inf', now)
   redis.call('PEXPIRE', DONE, ARGV[4])
+  if (ARGV[5] or '') ~= '' then redis.call('SET', DONE .. ':' .. ARGV[2], ARGV[5], 'PX', ARGV[4]) end
 end
 if redis.call('EXISTS', LINE) == 0 then return {deleted} end
 if now == 0 then now = clock() end
@@ -188,9 +213,15 @@ return out
 
 PARK = _KEYS + """
 -- ARGV[1] entry id, ARGV[2] kind (t, s or p), ARGV[3] longest wait ms,
--- ARGV[4] lock ttl ms, ARGV[5] owner id, ARGV[6] message, ARGV[7] '1' to go first.
--- Returns {0} when the key is free and nobody waits (take it instead), else
--- {1, place in line}.
+-- ARGV[4] lock ttl ms, ARGV[5] owner id, ARGV[6] message, ARGV[7] '1' to go first,
+-- ARGV[8] '1' when the caller is the copy of this entry (it may park it again).
+-- Returns {0} when the key is free and nobody waits (take it instead),
+-- {2, place (0: out of line, its copy on its way)} when the entry is parked
+-- already (a task's entry id comes from its task id: a redelivery of a parked
+-- message must not park it twice), else {1, place in line}.
+if ARGV[8] ~= '1' and redis.call('HEXISTS', WAITERS, ARGV[1]) == 1 then
+  return {2, (redis.call('LPOS', LINE, ARGV[1]) or -1) + 1}
+end
 if redis.call('EXISTS', LOCK) == 0 and redis.call('EXISTS', LINE) == 0 then return {0} end
 local now = clock()
 local wait = tonumber(ARGV[3])

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -30,9 +29,9 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from . import refusals, scripts, wire
+from . import faults, refusals, scripts, wire
 from .exceptions import LockBackendUnavailable, LockError
-from .lock import Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, redact_url, slot_safe
+from .lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, redact_url, slot_safe
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -221,7 +220,8 @@ class LockServer:
         token: str | None = None,
         entry: str | None = None,
         check_done: bool = False,
-    ) -> Lock | Holder | Verdict:
+        retake: str | None = None,
+    ) -> Lock | Holder | Verdict | Done:
         """Try once to take ``name``, in one round trip.
 
         Returns the :class:`Lock` when taken; the :class:`Holder` when another
@@ -229,8 +229,10 @@ class LockServer:
         nobody jumps the line); a :class:`Verdict` otherwise. ``entry`` claims
         a waiter's turn (see :meth:`park`). ``check_done`` first checks whether
         ``owner_id`` already succeeded here (see ``release(remember=...)``).
-        Passing the ``token`` of an earlier attempt whose reply was lost takes
-        the lock back if that attempt did take it.
+        ``retake``: the token of an earlier attempt whose reply was lost; if that
+        attempt did take the lock, it is taken back, under ``token`` (a new one):
+        only one message that carries the old token can ever take it back. Without
+        ``retake``, a given ``token`` is itself taken back (the same token kept).
 
         A reply that comes later than a third of the TTL is not trusted: the
         watchdog's first renewal would already be overdue. The lock is given
@@ -238,14 +240,14 @@ class LockServer:
         """
         ttl = check_ttl(ttl)
         key = slot_safe(name)
-        retake = token is not None
+        take_back = retake if retake is not None else (token or "")
         token = token or secrets.token_hex(TOKEN_BYTES)
         sent = time.monotonic()
         try:
             reply = self.run(
                 scripts.ACQUIRE,
                 self.keys_for(key),
-                (token, wire.meta(owner_id), ms(ttl), owner_id or "", entry or "", "1" if retake else "",
+                (token, wire.meta(owner_id), ms(ttl), owner_id or "", entry or "", take_back,
                  "1" if check_done else ""),
                 replicated=True,
             )
@@ -270,7 +272,7 @@ class LockServer:
                 )
             return lock
         if status == 2:
-            return Verdict.ALREADY_SUCCEEDED
+            return Done(reply[1]) if len(reply) > 1 and reply[1] else Verdict.ALREADY_SUCCEEDED
         if status == 3:
             return Verdict.ENTRY_GONE
         return Holder.parse(key, reply[1], int(reply[2]))
@@ -282,26 +284,29 @@ class LockServer:
         except LockError:
             pass  # it expires within its ttl
 
-    def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0) -> Released:
+    def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
+                again: bool = False) -> Released:
         """Delete the lock if ``lock`` still holds it, and pass the key to the next waiter: one round trip.
 
         Idempotent. On an error it raises and the handle keeps its token, so the
         caller can simply call again. ``succeeded`` with ``remember`` > 0 keeps a
         done record for ``remember`` seconds, so a redelivery of the same owner is
         told so by ``acquire(check_done=True)``; ``succeeded`` also drops parked
-        redelivered copies of this owner. In another process than the one that
-        took it, nothing is done (status -2).
+        redelivered copies of this owner. ``value`` (what the body returned,
+        serialised) is kept beside the done record. ``again``: this retries a
+        release whose reply was lost; if that first try did run and handed the key
+        on, this one says "deleted" and returns the hand-off, to be sent now. In
+        another process than the one that took it, nothing is done (status -2).
         """
         if lock.pid != os.getpid():
             return Released(-2)
-        args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0")
+        args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
+                value if remember else b"", "1" if again else "0")
         reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args)
         lock.released = True
         handoffs = tuple(Handoff.parse(lock.key, item) for item in reply[1:])
-        # TEST-ONLY fault injection (tests/test_handoff.py): CSL_TEST_KILL_AT=handoff kills this process
-        # after the release script handed the key on and before the waiter's message is published
-        if handoffs and os.environ.get("CSL_TEST_KILL_AT") == "handoff":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if handoffs and faults.KILL_AT:  # TEST-ONLY: after the hand-off, before the waiter's publish
+            faults.kill_at("handoff")
         self.dispatch(handoffs)
         return Released(int(reply[0]), handoffs)
 

@@ -32,22 +32,22 @@ from typing import Any, ClassVar
 from celery import Task
 from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Reject, Retry
-from celery.signals import task_postrun, worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
-from celery.states import FAILURE, IGNORED, REJECTED, RETRY, STARTED, SUCCESS
+from celery.signals import task_postrun
+from celery.states import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS
 
-from . import config, handoff, keys, policies, queue, reentry, releasing, timing
+from . import config, faults, handoff, identity, keys, policies, queue, reentry, releasing, timing
 from . import revoke as _revoke  # noqa: F401 - takes revoked tasks out of the lines (a worker bootstep)
-from .decide import Action, Delivery, Found, decide
+from . import workers as _workers  # noqa: F401 - starts and stops this process's threads with the worker
+from .decide import Action, Delivery, decide
 from .exceptions import (
     LockBackendUnavailable,
     LockError,
-    LockKeyError,
     LockWaitTimeout,
 )
-from .lock import Holder, Lock, Verdict
+from .lock import Done, Holder, Lock
 from .server import LockServer
 from .signals import lock_acquired, lock_lost, lock_released
-from .watchdog import get_watchdog, shutdown_watchdog
+from .watchdog import get_watchdog
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -55,6 +55,8 @@ HANDLE = "_singleton_lock"
 """Attribute of ``self.request`` that holds the execution's Lock."""
 _REENTERED = "_singleton_lock_reentered"
 """Set on ``self.request`` when it runs under a lock held further up its call stack."""
+_REPLAY = "_singleton_lock_replay"
+"""Set on ``self.request`` to the recorded value of a body that already ran (see decide's REPLAY)."""
 _BODY_STARTED = "_singleton_lock_body_started"
 """Set on ``self.request`` once the tracer called the body, so a nested direct call is told apart."""
 
@@ -200,16 +202,18 @@ class LockedTask(Task):
         server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
         entry = headers.get(handoff.ENTRY) or None
-        token = headers.get(policies.TOKEN) or secrets.token_hex(16)
+        retake = headers.get(policies.TOKEN) or ""  # a lost attempt's token: taken back under a new one
+        token = secrets.token_hex(16)
         who: Delivery | None = None
         while True:
             try:
                 outcome = server.acquire(
-                    key, settings.ttl, owner_id=task_id, token=token, entry=entry, check_done=redelivered,
+                    key, settings.ttl, owner_id=task_id, token=token, retake=retake, entry=entry,
+                    check_done=redelivered,
                 )
             except LockBackendUnavailable as exc:
                 policies.unreachable(self, request, args, kwargs, settings, token, exc)
-                token = secrets.token_hex(16)  # eager: the old attempt's lock, if any, expires
+                retake, token = token, secrets.token_hex(16)  # eager: take back what the lost attempt took
                 continue
             if type(outcome) is Lock:  # the common case, first: no table to consult
                 return self._run_with(outcome, request, settings)
@@ -225,11 +229,18 @@ class LockedTask(Task):
                 )
             if isinstance(outcome, Holder):
                 who = replace(who, holder_on_stack=self._on_my_stack(outcome.owner_id))
-            action = decide(_found(outcome, task_id), who)
+            action = decide(identity.found(self, request, outcome, who.recovered), who)
             if action is Action.RUN:
                 assert isinstance(outcome, Lock)
                 return self._run_with(outcome, request, settings)
-            if action is Action.AGAIN:  # a recovered copy whose entry is gone: as a redelivery
+            if action is Action.REPLAY:  # it ran to its end, and died before Celery stored the result
+                assert isinstance(outcome, Done)
+                request.__dict__[_REPLAY] = releasing.unpack_value(outcome.value)
+                logger.warning("task %s[%s] already succeeded but its result was never stored: storing its "
+                               "recorded value and sending its callbacks, without running it again", self.name,
+                               task_id)
+                return None
+            if action is Action.AGAIN:  # its entry is gone but its run never happened or ended: as a redelivery
                 entry, redelivered = None, True
                 who = Delivery(policy=settings.on_duplicate, redelivered=True, line=server.supports_line)
                 continue
@@ -259,11 +270,7 @@ class LockedTask(Task):
         reentry.register(lock)  # held(..., owner_id=<task id>) in the body re-enters it
         get_watchdog(**settings.watchdog_options).track(lock, partial(_announce_lost, self, request.id))
         lock_acquired.send(sender=self, key=lock.key, task_id=request.id, lock=lock)
-        if self.lock_track_started and not request.is_eager and not get_actual_ignore_result(self, request):
-            # what the tracer would have stored, had we let it (see on_bound)
-            self.backend.store_result(
-                request.id, {"pid": os.getpid(), "hostname": request.hostname}, STARTED, request=request
-            )
+        identity.mark_started(self, request, self.lock_track_started)
 
     def _on_my_stack(self, owner_id: str | None) -> bool:
         """Is the execution holding the key up this thread's call stack (eager nesting)?"""
@@ -295,6 +302,8 @@ class LockedTask(Task):
         """
         request = self.request_stack.top
         if request is None or HANDLE not in request.__dict__ or request.__dict__.get(_BODY_STARTED):
+            if request is not None and _REPLAY in request.__dict__:
+                return request.__dict__.pop(_REPLAY)  # its recorded value, the body not run again
             return super().__call__(*args, **kwargs)
         request.__dict__[_BODY_STARTED] = True
         state = FAILURE
@@ -312,9 +321,9 @@ class LockedTask(Task):
             state = REJECTED
             raise
         finally:
-            self.release_lock(state)
+            self.release_lock(state, result if state == SUCCESS else None)
 
-    def release_lock(self, state: str | None = None) -> None:
+    def release_lock(self, state: str | None = None, value: Any = None) -> None:
         """Let the running execution's lock go, once: when the body ends, else from ``task_postrun``.
 
         Never fails the task: whatever Redis answers, the task keeps its own
@@ -337,7 +346,9 @@ class LockedTask(Task):
         settings = self.lock_settings()
         redeliverable = state == SUCCESS and releasing.may_be_redelivered(self, request)
         remember = settings.redelivery_window if redeliverable else 0.0
-        status = releasing.release(lock, settings, succeeded=state == SUCCESS, remember=remember)
+        packed = releasing.pack_value(self, value) if remember and not get_actual_ignore_result(self, request) else b""
+        status = releasing.release(lock, settings, succeeded=state == SUCCESS, remember=remember, value=packed)
+        faults.kill_at("released")  # TEST-ONLY: after the release, before Celery stores the result
         deleted = status == 1
         if status == -1 and not lock.lost:
             lock.mark_lost(f"found at release: another holder has the key (task {request.id} ended {state})")
@@ -350,63 +361,11 @@ class LockedTask(Task):
         lock_released.send(sender=self, key=lock.key, task_id=request.id, state=state, deleted=deleted)
 
 
-def _found(outcome: Lock | Holder | Verdict, task_id: str) -> Found:
-    if isinstance(outcome, Lock):
-        return Found.TAKEN
-    if outcome is Verdict.ALREADY_SUCCEEDED:
-        return Found.ALREADY_SUCCEEDED
-    if outcome is Verdict.ENTRY_GONE:
-        return Found.ENTRY_GONE
-    if outcome.queued:
-        return Found.QUEUED
-    return Found.HELD_BY_SELF if outcome.owner_id == task_id and not outcome.reserved else Found.HELD
-
-
 def _announce_lost(task: LockedTask, task_id: str, lock: Lock, reason: str) -> None:
     lock_lost.send(sender=task, key=lock.key, task_id=task_id, reason=reason)
-
-
-def watch_app(app: Any) -> None:
-    """Start this process's sweeper on the servers of ``app``'s LockedTasks (worker start-up)."""
-    seen: set[tuple[LockServer, str]] = set()
-    for task in list(app.tasks.values()):
-        if not isinstance(task, LockedTask):
-            continue
-        try:
-            settings = task.lock_settings()
-            server = task.lock_server()
-        except (ValueError, LockKeyError) as exc:
-            logger.warning("task %s: no sweeping of its waiting line: %s", task.name, exc)
-            continue
-        if server.supports_line and (server, settings.index) not in seen:
-            seen.add((server, settings.index))
-            queue.get_sweeper().watch(server, settings.index)
 
 
 @task_postrun.connect(weak=False)
 def _release_after_run(sender: Any = None, state: str | None = None, **_: Any) -> None:
     if isinstance(sender, LockedTask):
         sender.release_lock(state)
-
-
-@worker_process_init.connect(weak=False)
-def _sweep_in_child(**_: Any) -> None:
-    from celery import current_app
-
-    watch_app(current_app)
-
-
-@worker_ready.connect(weak=False)
-def _sweep_in_main(sender: Any = None, **_: Any) -> None:
-    # prefork's children sweep (worker_process_init); the other pools run tasks in this process
-    app = getattr(sender, "app", None)
-    pool = getattr(getattr(sender, "pool", None), "__class__", type(None)).__module__
-    if app is not None and "prefork" not in pool:
-        watch_app(app)
-
-
-@worker_process_shutdown.connect(weak=False)
-@worker_shutdown.connect(weak=False)
-def _stop_threads(**_: Any) -> None:
-    shutdown_watchdog()
-    queue.shutdown_sweeper()

@@ -199,7 +199,7 @@ RESTORE_FAST = {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
 """broker_transport_options for a worker whose kombu restores unacked messages every second."""
 
 
-def redeliver(broker, task, args, task_id: str, queue: str, kwargs=None) -> None:
+def redeliver(broker, task, args, task_id: str, queue: str, kwargs=None, headers=None) -> None:
     """A REAL broker redelivery of ``task(*args)`` under ``task_id`` to ``queue``.
 
     The message goes through kombu's own restore of unacked messages, as after a
@@ -209,7 +209,7 @@ def redeliver(broker, task, args, task_id: str, queue: str, kwargs=None) -> None
     True. (Publishing the same task id again is not a redelivery.)
     """
     hold = f"csl-hold-{uuid.uuid4().hex[:8]}"  # nobody consumes it: just to get the exact message
-    task.apply_async(args, kwargs, task_id=task_id, queue=hold)
+    task.apply_async(args, kwargs, task_id=task_id, queue=hold, headers=headers)
     raw = wait_until(lambda: broker.lpop(hold), 10, what="the message to capture")
     payload = json.loads(raw)
     payload["properties"]["delivery_info"] = {"exchange": "", "routing_key": queue}

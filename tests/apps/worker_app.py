@@ -26,6 +26,7 @@ app.conf.update(
     singleton_lock_retry_backoff_max=0.5,
     worker_prefetch_multiplier=1,
     task_acks_late=os.environ.get("CSL_ACKS_LATE") == "1",
+    task_reject_on_worker_lost=os.environ.get("CSL_REJECT_ON_LOST") == "1",
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("CSL_VISIBILITY", "3600")),
         # restore unacked messages every second: real redeliveries in tests (see _task_support.redeliver)
@@ -254,6 +255,15 @@ def in_line_append(self, prev: list, key: str, tag: str, gate: bool = False) -> 
         _wait_gate(key)
     _journal_event(key, "end", self, tag=tag)
     return [*prev, tag]
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry")
+def in_line_gated(self, key: str, tag: str) -> dict:
+    """As in_line, each call held until the test opens gate:<key>:<tag> (journals under journaled:<key>)."""
+    _journal_event(key, "start", self, tag=tag, redelivered=bool((self.request.delivery_info or {}).get("redelivered")))
+    _wait_gate(f"{key}:{tag}")
+    _journal_event(key, "end", self, tag=tag)
+    return {"pid": os.getpid(), "tag": tag}
 
 
 @app.task

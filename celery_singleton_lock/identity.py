@@ -1,0 +1,114 @@
+"""What the result backend knows of a delivery's task id, for the few deliveries that need it.
+
+The lock Redis can forget (a restart without persistence, a failover to a lagging replica, a
+Cluster shard restarted empty), and a process can die between the release and Celery's store of
+the result. The result backend is what Celery itself trusts for "this task id already ran"
+(``worker_deduplicate_successful_tasks``), so the questions the lock Redis cannot answer after
+such a loss are asked there, and only on the paths that need them (never on a fresh delivery
+that takes the lock):
+
+* a copy sent again after a loss whose waiter entry is gone: did its task start since it first
+  parked? (:func:`ran_since_park`; a waiting copy marks its start by storing STARTED with its entry);
+* a redelivery that finds its task succeeded here: was its result stored? (:func:`result_missing`).
+
+Without a result backend (``ignore_result``, or none configured) neither can be told: a copy whose
+entry is gone is run (a waiter is never lost), and a recorded success is only dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import datetime, timezone
+from typing import Any
+
+from celery.app.task import get_actual_ignore_result
+from celery.backends.base import DisabledBackend
+from celery.states import READY_STATES, STARTED, SUCCESS
+
+from . import handoff
+from .decide import Found
+from .lock import Done, Holder, Lock, Verdict
+
+logger = logging.getLogger("celery_singleton_lock")
+
+
+def found(task: Any, request: Any, outcome: Lock | Holder | Verdict | Done, recovered: bool) -> Found:
+    """What the acquire found, in the words of decide.py's table (asking the backend where needed)."""
+    if isinstance(outcome, Lock):
+        return Found.TAKEN
+    if isinstance(outcome, Done):
+        return Found.RESULT_MISSING if result_missing(task, request) else Found.ALREADY_SUCCEEDED
+    if outcome is Verdict.ALREADY_SUCCEEDED:
+        return Found.ALREADY_SUCCEEDED
+    if outcome is Verdict.ENTRY_GONE:
+        return Found.ENTRY_RAN if recovered and ran_since_park(task, request) else Found.ENTRY_GONE
+    if outcome.queued:
+        return Found.QUEUED
+    if outcome.owner_id == request.id and not outcome.reserved:
+        return Found.HELD_BY_SELF
+    return Found.HELD
+
+
+def _meta(task: Any, request: Any) -> dict[str, Any] | None:
+    """The stored state of the request's task id; None when there is no backend to ask."""
+    if request.is_eager or get_actual_ignore_result(task, request) or isinstance(task.backend, DisabledBackend):
+        return None
+    try:
+        meta: dict[str, Any] = task.backend.get_task_meta(request.id, cache=False)
+        return meta
+    except Exception as exc:
+        logger.warning("task %s[%s]: the result backend did not answer (%r)", task.name, request.id, exc)
+        return None
+
+
+def result_missing(task: Any, request: Any) -> bool:
+    """A task that succeeded here (its done record says so): is its SUCCESS missing from the backend?"""
+    meta = _meta(task, request)
+    return meta is not None and meta.get("status") != SUCCESS
+
+
+def ran_since_park(task: Any, request: Any) -> bool:
+    """Did this waiting task start (take its turn) since it first parked?
+
+    Its turn's copy stores STARTED naming its entry (:func:`mark_started`); any final state
+    stored after it parked counts too. Without a backend: False (it runs: a waiter is never lost).
+    """
+    meta = _meta(task, request)
+    if meta is None:
+        return False
+    status = meta.get("status")
+    entry = (request.headers or {}).get(handoff.ENTRY)
+    if status == STARTED:
+        info = meta.get("result")
+        return isinstance(info, dict) and entry is not None and info.get("entry") == entry
+    if status not in READY_STATES:
+        return False  # PENDING, WAITING, RETRY: it never took its turn
+    parked_at = handoff.first_parked_at(request)
+    done = _when(meta.get("date_done"))
+    return parked_at is None or done is None or done >= parked_at - 1.0
+
+
+def _when(value: Any) -> float | None:
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if not isinstance(value, datetime):
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return float(value.timestamp())
+
+
+def mark_started(task: Any, request: Any, track_started: bool) -> None:
+    """STARTED, once the lock is taken: for ``track_started``, and always for a waiting task's copy,
+    naming its entry (what :func:`ran_since_park` reads after a loss of the lock Redis)."""
+    entry = (request.headers or {}).get(handoff.ENTRY)
+    if not (track_started or entry) or request.is_eager or get_actual_ignore_result(task, request):
+        return
+    meta: dict[str, Any] = {"pid": os.getpid(), "hostname": request.hostname}
+    if entry:
+        meta["entry"] = entry
+    task.backend.store_result(request.id, meta, STARTED, request=request)
