@@ -32,7 +32,7 @@ for i = 1, #flat, 2 do
   local kind, _, _, _, owner = parse(flat[i + 1])
   if owner == ARGV[1] and kind ~= 'p' then
     redis.call('LREM', LINE, 0, e)
-    redis.call('HDEL', WAITERS, e)
+    gone(e)
     removed = removed + 1
     if string.sub(held, 1, #e + 2) == '~' .. e .. ' ' then reserved = true end
   end

@@ -25,7 +25,7 @@ from .exceptions import (
     LockWaitTimeout,
     SelfDeadlock,
 )
-from .lock import Holder, Verdict
+from .lock import Done, Holder, Verdict
 from .server import LockServer
 from .signals import duplicate_skipped
 
@@ -98,7 +98,7 @@ def refuse(task: Any, action: Action, request: Any, settings: config.LockSetting
     """End a delivery that will not run: drop, skip, raise, or fail on a would-be deadlock."""
     holder_id = outcome.owner_id if isinstance(outcome, Holder) else request.id
     if action is Action.DROP:
-        why = {
+        why = "it already succeeded" if isinstance(outcome, Done) else {
             Verdict.ALREADY_SUCCEEDED: "it already succeeded",
             Verdict.ENTRY_GONE: "its waiting copy already ran",
         }.get(outcome, f"task {holder_id} (the same call) runs it already")

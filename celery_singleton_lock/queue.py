@@ -25,10 +25,12 @@ Two things keep a line moving when nobody releases:
 * every waiter past its ``lock_max_wait`` deadline (counted from its first
   park), wherever it stands, is timed out by the sweeper's look at the key.
 
-And if the lock Redis loses its data (a restart without persistence), the
-parked messages go with it. Each process remembers the messages it parked
-until they leave the line (:meth:`Sweeper.remember`); the sweeper notices the
-loss (the index's epoch changed) and sends them again.
+And if the lock Redis loses its data (a restart without persistence, a
+failover to a lagging replica, a Cluster shard restarted empty), the parked
+messages go with it. Each process remembers the messages it parked until they
+leave the line (:meth:`Sweeper.remember`); an entry that leaves for good
+leaves a tombstone, so the sweeper tells an entry that left from one that was
+lost, and sends the lost ones again (:meth:`Sweeper._prune`).
 
 Plain code that waits (:func:`wait_turn`) blocks on BLPOP of its wake-up
 list: woken by the release, never sleep-polling. It looks again when the
@@ -311,25 +313,29 @@ class Sweeper:
                 return made
 
     def _check_epoch(self, server: LockServer, index: str, epoch: str) -> None:
-        """A new epoch means the lock Redis lost its data: send again what this process parked."""
+        """A new epoch means the lock Redis lost its data: say so, and look at the parked messages now."""
         with self._cond:
             seen = self._watched.get((server, index))
             self._watched[(server, index)] = epoch
             if seen is None or seen == epoch:
                 return
-            lost = [p for (srv, _, _), p in self._parked.items() if srv is server]
-            for p in lost:
-                self._parked.pop((server, p.key, p.entry), None)
+            count = sum(1 for (srv, _, _) in self._parked if srv is server)
         logger.log(
-            logging.ERROR if lost else logging.WARNING,
-            "the lock Redis at %s lost its data (epoch %s, now %s): sending the %d task(s) this process had "
-            "parked there again", server.url, seen, epoch, len(lost),
+            logging.ERROR if count else logging.WARNING,
+            "the lock Redis at %s lost its data (epoch %s, now %s): this process parked %d task(s) there; "
+            "those whose place is gone are sent again", server.url, seen, epoch, count,
         )
-        for p in lost:
-            server.dispatch([Handoff(p.key, "recovered", p.entry, "t", p.owner_id, p.ttl_ms, p.message)])
 
     def _prune(self) -> None:
-        """Forget the parked messages that left their line (they ran or were timed out)."""
+        """Forget the parked messages that left their line, and send again those lost with the data.
+
+        An entry that left for good (it ran, timed out, gave up) leaves a tombstone in its key's
+        slot (``K:g``); an entry whose record AND tombstone are gone was lost with the data: a
+        restart without persistence, a failover to a lagging replica, a Cluster shard restarted
+        empty, whatever the epoch says. Its copy goes out marked "recovered"; the task side runs it
+        only if it did not start since it parked (see identity.py). One pipelined look per server
+        and round: at most ``interval`` x 1.25 after the loss, while this process lives.
+        """
         with self._cond:
             parked = list(self._parked.values())
         by_server: dict[LockServer, list[_Parked]] = {}
@@ -340,13 +346,23 @@ class Sweeper:
                 pipe = server.client.pipeline(transaction=False)
                 for p in items:
                     pipe.hexists(p.key + ":w", p.entry)
-                present = pipe.execute()
+                    pipe.zscore(p.key + ":g", p.entry)
+                answers = pipe.execute()
             except RedisError:
                 continue  # unreachable: keep them, look again next round
+            lost = []
             with self._cond:
-                for p, here in zip(items, present, strict=True):
-                    if not here:
-                        self._parked.pop((server, p.key, p.entry), None)
+                for i, p in enumerate(items):
+                    here, left = answers[2 * i], answers[2 * i + 1]
+                    if here:
+                        continue
+                    if self._parked.pop((server, p.key, p.entry), None) is not None and left is None:
+                        lost.append(p)
+            if lost:
+                logger.error("lock Redis %s: %d parked task(s) of this process lost their place (data lost): "
+                             "sending them again", server.url, len(lost))
+            for p in lost:
+                server.dispatch([Handoff(p.key, "recovered", p.entry, "t", p.owner_id, p.ttl_ms, p.message)])
 
     def parked_count(self) -> int:
         return len(self._parked)

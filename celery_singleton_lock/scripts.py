@@ -20,6 +20,9 @@ every key below lives in K's hash slot and no script touches two slots):
     the sweeper sends it again), ``c`` handed and sent (the reservation lasts
     until the copy arrives, up to the turn timeout; then the key passes on,
     and the record stays, out of the line, until its deadline).
+``K:g``
+    tombstones: a ZSET entry id -> when it left the line for good (kept ten
+    minutes), so a process that parked it tells "it left" from "it was lost".
 ``K:d``
     done records, only for tasks that can be redelivered after success
     (``acks_late``): a ZSET owner id -> until when (ms) to drop its redeliveries.
@@ -47,6 +50,17 @@ local LOCK, LINE, WAITERS, DONE = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local function clock()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
+end
+-- A waiter leaves for good (it ran, timed out, gave up, was dropped): its record
+-- goes, and a tombstone in LOCK:g says so for ten minutes, so a process that
+-- remembers the entry tells "it left" from "it was lost with the data".
+local function gone(e)
+  redis.call('HDEL', WAITERS, e)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('ZADD', LOCK .. ':g', now, e)
+  redis.call('ZREMRANGEBYSCORE', LOCK .. ':g', '-inf', now - 600000)
+  redis.call('PEXPIRE', LOCK .. ':g', 600000)
 end
 -- kind, state, deadline, ttl, owner of a waiter's record
 local function parse(rec)
@@ -77,10 +91,10 @@ local function hand_off(now, drop_owner, out)
       redis.call('LPOP', LINE)
     elseif kind == 's' and owner == drop_owner then             -- a copy of the task that just succeeded: dropped
       redis.call('LPOP', LINE)
-      redis.call('HDEL', WAITERS, e)
+      gone(e)
     elseif deadline <= now then
       redis.call('LPOP', LINE)
-      redis.call('HDEL', WAITERS, e)
+      gone(e)
       if kind == 't' then out[#out + 1] = {'expired', e, rec} end
     else
       local reserved = cjson.encode({owner = owner, reserved = true, by = handed_by})
@@ -145,7 +159,7 @@ elseif redis.call('EXISTS', LINE) == 1 then
   return {0, '', -2}                                            -- nobody jumps the line
 end
 if entry ~= '' then
-  redis.call('HDEL', WAITERS, entry)
+  gone(entry)
   redis.call('LREM', LINE, 1, entry)
 end
 local fence = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
@@ -265,7 +279,7 @@ for i = 1, #flat, 2 do
   if string.sub(held, 1, #e + 2) ~= '~' .. e .. ' ' then
     if deadline <= now then
       redis.call('LREM', LINE, 1, e)
-      redis.call('HDEL', WAITERS, e)
+      gone(e)
       if kind == 't' then out[#out + 1] = {'expired', e, rec} end
     elseif deadline < soonest then
       soonest = deadline
@@ -303,7 +317,7 @@ LEAVE = _HAND_OFF + """
 -- ARGV[1] entry id: a waiter gives up. If the key was already reserved for
 -- it, the key goes to the next in line. Returns {was reserved (1/0), hand-offs...}.
 redis.call('LREM', LINE, 1, ARGV[1])
-redis.call('HDEL', WAITERS, ARGV[1])
+gone(ARGV[1])
 redis.call('DEL', LOCK .. ':wake:' .. ARGV[1])
 local held = redis.call('GET', LOCK)
 if not held or string.sub(held, 1, #ARGV[1] + 2) ~= '~' .. ARGV[1] .. ' ' then return {0} end

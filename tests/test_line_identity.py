@@ -19,6 +19,7 @@ import os
 import secrets
 import signal
 import threading
+import time
 import uuid
 
 import pytest
@@ -202,3 +203,117 @@ def test_two_messages_with_one_token_never_both_hold_the_lock(redis_server, run_
     assert runs.of(k)[0].info["token"] != old  # taken back under a new token
     assert [e.data["policy"] for e in rec.of("duplicate", task_id)] == ["redelivery"]
     assert_no_overlap([(r.start, r.end) for r in runs.of(k)])
+
+
+# -- the lock Redis loses its data -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flushable(redis_server, tmp_path_factory):
+    """Two prefork workers x 2 children whose locks live on a Redis of their own (which the tests
+    FLUSHDB); broker and results stay on the session's Redis."""
+    from celery_singleton_lock.testing import RedisServer
+
+    wa = load_worker_app(redis_server)
+    n = Nodes()
+    n.wa = wa
+    n.queue = f"csl-li-flush-{uuid.uuid4().hex[:8]}"
+    logdir = tmp_path_factory.mktemp("flush")
+    with RedisServer() as lock_redis:
+        n.lock_redis, n.locks = lock_redis, lock_redis.client(0)
+        env = {"CSL_LOCK_TTL": str(LOCK_TTL), "CSL_JOURNAL_HANDOFF": "1", "CSL_LOCK_URL": lock_redis.url(0)}
+        n.workers = [start_worker_process(redis_server, logdir, concurrency=2, env=env, extra=("-Q", n.queue),
+                                          name=f"flush{i}") for i in range(2)]
+        try:
+            for w in n.workers:
+                w.wait_ready(90)
+            yield n
+        finally:
+            for w in n.workers:
+                w.stop()
+            gc.collect()
+
+
+def _each_ran_once(wa, k: str, ids: list[str]) -> None:
+    ran = [e["id"] for e in starts(wa, k)]
+    twice = sorted({i for i in ran if ran.count(i) > 1})
+    assert not twice, f"{len(twice)} task(s) ran more than once: {twice}"
+    assert sorted(ran) == sorted(ids), f"{len(set(ids) - set(ran))} task(s) never ran"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_flush_during_a_line_of_40_loses_no_waiter_and_runs_none_twice(flushable):
+    """(Critical) 40 waiters parked on one key behind a holder, from two nodes; the lock Redis is
+    flushed (a restart without persistence). Every waiter runs exactly once and succeeds."""
+    n, wa = flushable, flushable.wa
+    k = f"flush-line-{uuid.uuid4().hex[:8]}"
+    key = wa.in_line.lock_key_for((k,), {})
+    holder = wa.in_line.apply_async((k, 0.0, "holder", True), queue=n.queue)
+    try:
+        wait_starts(wa, k, 1)
+        waiters = [wa.in_line.apply_async((k, 0.05, f"w{i}"), queue=n.queue) for i in range(40)]
+        wait_until(lambda: n.locks.llen(key + ":q") == 40, 60, 0.05, "40 waiters in line")
+        n.locks.flushdb()  # the test's own lock Redis: the lock, the line and the parked messages go
+    finally:
+        open_gate(wa, k)
+    holder.get(timeout=TIMEOUT)
+    tags = sorted(w.get(timeout=90)["tag"] for w in waiters)
+    assert tags == sorted(f"w{i}" for i in range(40))
+    wait_until(lambda: len(starts(wa, k)) >= 41, TIMEOUT, 0.05, "every body")
+    _each_ran_once(wa, k, [holder.id, *(w.id for w in waiters)])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_flush_before_a_burst_of_parks_runs_none_twice(flushable):
+    """(Critical) The lock Redis is flushed in a lull; a burst of 30 calls of one key follows at
+    once, before the sweepers noticed the loss: each runs exactly once (the parks made after the
+    loss are not sent again, and a copy whose entry already ran is not run again)."""
+    n, wa = flushable, flushable.wa
+    warm = f"flush-warm-{uuid.uuid4().hex[:8]}"
+    assert wa.in_line.apply_async((warm, 0.0, "warm"), queue=n.queue).get(timeout=TIMEOUT)["tag"] == "warm"
+    for w in n.workers:  # every process's sweeper has looked at the index (it learnt the epoch)
+        wait_until(lambda w=w: n.locks.exists("singleton_lock:{waiting}:epoch"), TIMEOUT, 0.05, "an epoch")
+    k = f"flush-burst-{uuid.uuid4().hex[:8]}"
+    n.locks.flushdb()
+    calls = [wa.in_line.apply_async((k, 0.1, f"c{i}"), queue=n.queue) for i in range(30)]
+    tags = sorted(c.get(timeout=90)["tag"] for c in calls)
+    assert tags == sorted(f"c{i}" for i in range(30))
+    wait_until(lambda: len(starts(wa, k)) >= 30, TIMEOUT, 0.05, "every body")
+    time.sleep(3 * 1.25)  # a wrong re-send would show within a few sweeper rounds: give it the chance
+    _each_ran_once(wa, k, [c.id for c in calls])
+    assert_no_overlap(list(_spans(wa, k).values()), "bodies of one key")
+
+
+def _spans(wa, k: str) -> dict[str, tuple[float, float]]:
+    out: dict[str, list[float]] = {}
+    for e in events(wa, k):
+        out.setdefault(e["id"], [0.0, 0.0])[0 if e["event"] == "start" else 1] = e["at"]
+    return {i: (s, e) for i, (s, e) in out.items()}
+
+
+# -- the lock Redis's persistence, checked at worker start -------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_persistence_check_warns_on_a_redis_that_forgets_and_tolerates_config_disabled(caplog):
+    """At worker start each lock server is checked once: a Redis with no AOF and no RDB save points
+    gets a WARNING; one with appendonly on does not; one whose CONFIG is disabled (managed Redis)
+    is left alone, without an error."""
+    import logging
+
+    from celery_singleton_lock import LockServer, persistence
+    from celery_singleton_lock.testing import RedisServer
+
+    caplog.set_level(logging.WARNING, logger="celery_singleton_lock")
+    with RedisServer() as forgets, RedisServer(extra_args=["--rename-command", "CONFIG", ""]) as managed:
+        server = LockServer.from_url(forgets.url(0))
+        assert persistence.check_once(server) is False
+        assert any("keeps no data across a restart" in r.getMessage() for r in caplog.records)
+        assert persistence.check_once(server) is None  # once per server and process
+        forgets.client(0).config_set("appendonly", "yes")
+        assert persistence.persistent(forgets.client(0)) is True
+        caplog.clear()
+        assert persistence.check_once(LockServer.from_url(managed.url(0))) is None
+        assert not caplog.records
