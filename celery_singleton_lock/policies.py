@@ -60,14 +60,17 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
                 queue.leave(server, key, entry)
             raise LockWaitTimeout(key, settings.max_wait)
     message = handoff.pack(task, request, args, kwargs)
-    entry = entry or queue.entry_for(request.id)
+    entry = entry or queue.entry_for(request.id, request.retries)
     place = queue.park(
         server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
         owner_id=request.id, message=message, first=first,
         again=(request.headers or {}).get(handoff.ENTRY) == entry,
+        redelivered=bool((request.delivery_info or {}).get("redelivered")),
     )
     if not place:
         return
+    if place == queue.TOOK_ITS_TURN:  # a redelivery of a parked message whose turn already came
+        refuse(task, Action.DROP, request, settings, key, Verdict.ENTRY_GONE)
     already = isinstance(place, queue.AlreadyParked)  # a redelivery of a parked message whose ack was lost
     if not already:
         faults.kill_at("parked")  # TEST-ONLY: the message lives on only in the key's line

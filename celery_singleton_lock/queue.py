@@ -68,6 +68,10 @@ LONGEST_BLOCK = 5.0
 """Longest single BLPOP of a plain waiter (below the client's socket timeout)."""
 
 
+TOOK_ITS_TURN = -1
+"""What :func:`park` returns for a broker redelivery whose entry left the line for good already."""
+
+
 class AlreadyParked(int):
     """What :func:`park` returns when the entry is parked already: its place (0 out of line)."""
 
@@ -79,10 +83,11 @@ def new_entry() -> str:
     return uuid.uuid4().hex
 
 
-def entry_for(task_id: str) -> str:
-    """A task's waiter entry id, derived from its task id: one task id parks at most one entry, so a
-    redelivery of a parked message (its ack lost) finds its entry there instead of parking twice."""
-    return "t" + hashlib.sha1(task_id.encode()).hexdigest()
+def entry_for(task_id: str, retries: int = 0) -> str:
+    """A task's waiter entry id, derived from its task id and Celery's retry count: one message parks
+    at most one entry, so a redelivery of a parked message (its ack lost) finds its entry (or its
+    tombstone) instead of parking twice; the task's own ``self.retry()`` is another message."""
+    return "t" + hashlib.sha1(f"{task_id}\n{int(retries or 0)}".encode()).hexdigest()
 
 
 def park(
@@ -97,11 +102,13 @@ def park(
     message: bytes = b"",
     first: bool = False,
     again: bool = False,
+    redelivered: bool = False,
 ) -> int:
     """Put a waiter in ``name``'s line: its place (1 = next), 0 if the key is free and nobody
     waits (then take it instead), or its place if ``entry`` is parked already and
     ``again`` is False (``again``: the caller is that entry's own copy, which may park it anew):
-    then an :class:`AlreadyParked` (truthy, even at place 0).
+    then an :class:`AlreadyParked` (truthy, even at place 0). ``redelivered`` (a broker
+    redelivery of a parked message): :data:`TOOK_ITS_TURN` if the entry left for good already.
 
     ``kind``: "t" a task (``message`` is what to send when its turn comes), "s"
     a redelivered copy of the running task (dropped if the holder succeeds),
@@ -113,11 +120,14 @@ def park(
     key = slot_safe(name)
     reply = server.run(
         scripts.PARK, server.keys_for(key),
-        (entry, kind, ms(wait), ms(ttl), owner_id, message, "1" if first else "0", "1" if again else "0"),
+        (entry, kind, ms(wait), ms(ttl), owner_id, message, "1" if first else "0", "1" if again else "0",
+         "1" if redelivered else "0"),
     )
     status = int(reply[0])
     if status == 2:
         return AlreadyParked(int(reply[1]))
+    if status == 3:
+        return TOOK_ITS_TURN
     return int(reply[1]) if status == 1 else 0
 
 

@@ -241,7 +241,7 @@ class QuorumLockServer(LockServer):
                       lambda r: True)  # sent, not waited for
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
-                again: bool = False) -> Released:
+                again: bool = False, retries: int = 0) -> Released:
         """Release on every member; deleted (status 1) when a majority still had our token.
 
         ``value`` is not kept (a quorum's done record drops a redelivery; it cannot replay it), and

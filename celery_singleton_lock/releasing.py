@@ -22,7 +22,7 @@ logger = logging.getLogger("celery_singleton_lock")
 
 
 def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remember: float,
-            value: bytes = b"") -> int | None:
+            value: bytes = b"", retries: int = 0) -> int | None:
     """Release with a short timeout, twice at most; the status (1 deleted, 0 gone, -1 another's, -3 refused), None if
     Redis never answered. A retry after a timed-out try that did execute finds the key gone, or handed by
     that try to the next waiter (RELEASE knows its own hand-off): both count as deleted, and a waiter
@@ -31,7 +31,7 @@ def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remem
     for attempt in (1, 2):
         try:
             status = server.release(lock, succeeded=succeeded, remember=remember, value=value,
-                                    again=attempt == 2).status
+                                    again=attempt == 2, retries=retries).status
             return 1 if status == 0 and attempt == 2 else status
         except LockBackendUnavailable as exc:
             logger.warning("releasing lock %s failed (try %d of 2): %s", lock.key, attempt, exc)

@@ -171,7 +171,8 @@ RELEASE = _HAND_OFF + """
 -- ARGV[1] "<token> ", ARGV[2] owner id, ARGV[3] '1' if the holder succeeded,
 -- ARGV[4] ms to remember that success ('0': not needed), ARGV[5] what the body
 -- returned, serialised ('' none), ARGV[6] '1' when this is a retry of a release
--- whose first try may have run (its reply was lost).
+-- whose first try may have run (its reply was lost), ARGV[7] the holder's retry
+-- count (its redelivered copy, if parked, is entry 't' .. sha1 of owner, newline, retries).
 -- Returns {deleted, hand-offs...}: deleted 1 it was ours, 0 it was gone
 -- already, -1 another holds it. The key passes to the next waiter here.
 handed_by = string.sub(ARGV[1], 1, -2)
@@ -203,7 +204,16 @@ end
 if redis.call('EXISTS', LINE) == 0 then return {deleted} end
 if now == 0 then now = clock() end
 local drop = ''
-if ARGV[3] == '1' then drop = ARGV[2] end
+if ARGV[3] == '1' then
+  drop = ARGV[2]
+  -- its redelivered copy goes wherever it stands in the line, not only at the head
+  local mine = 't' .. redis.sha1hex(ARGV[2] .. '\\n' .. (ARGV[7] or '0'))
+  local rec = redis.call('HGET', WAITERS, mine)
+  if rec and string.sub(rec, 1, 1) == 's' then
+    redis.call('LREM', LINE, 0, mine)
+    gone(mine)
+  end
+end
 return hand_off(now, drop, {deleted})
 """
 
@@ -228,11 +238,14 @@ return out
 PARK = _KEYS + """
 -- ARGV[1] entry id, ARGV[2] kind (t, s or p), ARGV[3] longest wait ms,
 -- ARGV[4] lock ttl ms, ARGV[5] owner id, ARGV[6] message, ARGV[7] '1' to go first,
--- ARGV[8] '1' when the caller is the copy of this entry (it may park it again).
+-- ARGV[8] '1' when the caller is the copy of this entry (it may park it again),
+-- ARGV[9] '1' for a broker redelivery: if the entry left for good (a tombstone),
+-- its turn was taken already and {3} is returned (nothing parked).
 -- Returns {0} when the key is free and nobody waits (take it instead),
 -- {2, place (0: out of line, its copy on its way)} when the entry is parked
 -- already (a task's entry id comes from its task id: a redelivery of a parked
 -- message must not park it twice), else {1, place in line}.
+if ARGV[9] == '1' and ARGV[8] ~= '1' and redis.call('ZSCORE', LOCK .. ':g', ARGV[1]) then return {3} end
 if ARGV[8] ~= '1' and redis.call('HEXISTS', WAITERS, ARGV[1]) == 1 then
   return {2, (redis.call('LPOS', LINE, ARGV[1]) or -1) + 1}
 end

@@ -285,7 +285,7 @@ class LockServer:
             pass  # it expires within its ttl
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
-                again: bool = False) -> Released:
+                again: bool = False, retries: int = 0) -> Released:
         """Delete the lock if ``lock`` still holds it, and pass the key to the next waiter: one round trip.
 
         Idempotent. On an error it raises and the handle keeps its token, so the
@@ -295,13 +295,15 @@ class LockServer:
         redelivered copies of this owner. ``value`` (what the body returned,
         serialised) is kept beside the done record. ``again``: this retries a
         release whose reply was lost; if that first try did run and handed the key
-        on, this one says "deleted" and returns the hand-off, to be sent now. In
+        on, this one says "deleted" and returns the hand-off, to be sent now.
+        ``retries`` (Celery's count of the holder's request) names its redelivered
+        copy's entry, dropped on success wherever it waits. In
         another process than the one that took it, nothing is done (status -2).
         """
         if lock.pid != os.getpid():
             return Released(-2)
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
-                value if remember else b"", "1" if again else "0")
+                value if remember else b"", "1" if again else "0", str(retries))
         reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args)
         lock.released = True
         handoffs = tuple(Handoff.parse(lock.key, item) for item in reply[1:])

@@ -347,7 +347,8 @@ class LockedTask(Task):
         redeliverable = state == SUCCESS and releasing.may_be_redelivered(self, request)
         remember = settings.redelivery_window if redeliverable else 0.0
         packed = releasing.pack_value(self, value) if remember and not get_actual_ignore_result(self, request) else b""
-        status = releasing.release(lock, settings, succeeded=state == SUCCESS, remember=remember, value=packed)
+        status = releasing.release(lock, settings, succeeded=state == SUCCESS, remember=remember, value=packed,
+                                   retries=request.retries or 0)
         faults.kill_at("released")  # TEST-ONLY: after the release, before Celery stores the result
         deleted = status == 1
         if status == -1 and not lock.lost:

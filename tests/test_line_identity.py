@@ -317,3 +317,105 @@ def test_persistence_check_warns_on_a_redis_that_forgets_and_tolerates_config_di
         caplog.clear()
         assert persistence.check_once(LockServer.from_url(managed.url(0))) is None
         assert not caplog.records
+
+
+# -- the Minor list ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_redelivery_of_a_parked_message_whose_turn_ran_and_failed_keeps_its_failure(redis_server, run_worker):
+    """A waiter parks, takes its turn and FAILS; then the broker redelivers its original (parked)
+    message, its ack lost, while another call holds the key. The redelivery must not park again: its
+    WAITING would overwrite the FAILURE, and it would run a second time. It ends at once."""
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    app = make_app(redis_server, task_default_queue=queue, broker_transport_options=RESTORE_FAST)
+    gates, runs = Gates(), Runs()
+
+    @locked(app, lock_key=["k"], on_duplicate="retry", acks_late=True, name=f"li_fail_{uuid.uuid4().hex[:6]}.job")
+    def job(self, k, mode):
+        run = runs.begin(k, self.request.id, mode=mode)
+        try:
+            if mode.startswith("gate"):
+                gates.wait(mode)
+            if mode == "fail":
+                raise ValueError("the waiter's run failed")
+            return mode
+        finally:
+            runs.end(run)
+
+    k = f"k-{uuid.uuid4().hex[:8]}"
+    with Recorder(app) as rec, run_worker(app, pool="threads", concurrency=3):
+        holder = job.delay(k, "gate-1")
+        runs.wait_started(k)
+        waiter = job.delay(k, "fail")
+        rec.wait("duplicate", waiter.id)  # parked
+        gates.open("gate-1")
+        with pytest.raises(ValueError):
+            waiter.get(timeout=TIMEOUT)
+        assert holder.get(timeout=TIMEOUT) == "gate-1"
+        other = job.delay(k, "gate-2")
+        wait_until(lambda: runs.of(k, other.id), TIMEOUT, 0.02, "another call to hold the key")
+        redeliver(redis_server.client(0), job, (k, "fail"), waiter.id, queue)
+        rec.wait("duplicate", waiter.id, count=2)
+        meta = app.backend.get_task_meta(waiter.id, cache=False)
+        assert meta["status"] == "FAILURE", f"the redelivery overwrote the FAILURE with {meta['status']}"
+        gates.open("gate-2")
+        assert other.get(timeout=TIMEOUT) == "gate-2"
+        rec.wait("postrun", other.id)
+    assert [r.task_id for r in runs.of(k)] == [holder.id, waiter.id, other.id], "the waiter ran twice"
+
+
+@pytest.mark.timeout(30)
+def test_a_redelivered_copy_of_the_holder_is_dropped_wherever_it_stands(redis_server):
+    """Engine, real Redis: the running holder's redelivered copy waits in line (kind "s"), and
+    another waiter went ahead of it (a copy re-parked at the head). The holder succeeds: its copy
+    leaves the line at once, wherever it stands (before: only when it reached the head, and it was
+    handed the key and ran the holder's body a second time)."""
+    from celery_singleton_lock import LockServer, queue
+    from celery_singleton_lock.lock import slot_safe
+
+    server = LockServer.from_url(redis_server.url(2))
+    try:
+        name = f"s-anywhere-{uuid.uuid4().hex[:8]}"
+        key = slot_safe(name)
+        holder = server.acquire(name, 5, owner_id="H")
+        copy = queue.entry_for("H", 2)  # the holder's request had been retried twice
+        assert queue.park(server, name, copy, kind="s", wait=60, ttl=5, owner_id="H", message=b"m", first=True)
+        assert queue.park(server, name, "ex", kind="t", wait=60, ttl=5, owner_id="X", message=b"m", first=True)
+        assert server.client.lrange(key + ":q", 0, -1) == [b"ex", copy.encode()]
+        [turn] = server.release(holder, succeeded=True, retries=2).handoffs
+        assert turn.owner_id == "X"
+        # the handed waiter stays first until it claims; the holder's copy is gone from line and records
+        assert server.client.lrange(key + ":q", 0, -1) == [b"ex"] and not server.client.hexists(key + ":w", copy)
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_release_retried_after_its_first_try_ran_says_deleted_and_returns_the_hand_off(redis_server):
+    """Engine, real Redis: a release whose reply was lost (its first try ran: it deleted the lock and
+    reserved the key for the parked waiter) is tried again (what releasing.release does after a
+    timeout). The retry recognises its own hand-off: "deleted" (no false lock_lost), and it returns
+    the waiter, to be sent now rather than when the reservation (one lock TTL) runs out."""
+    from celery_singleton_lock import LockServer, queue
+
+    server = LockServer.from_url(redis_server.url(2))
+    sent: list = []
+    server.send_handoff = lambda srv, handoff: sent.append(handoff) or True
+    try:
+        name = f"release-again-{uuid.uuid4().hex[:8]}"
+        holder = server.acquire(name, 30, owner_id="H")
+        assert queue.park(server, name, "ew", kind="t", wait=60, ttl=30, owner_id="W", message=b"m")
+        server.send_handoff = None  # the first try's reply is lost: nobody sends its hand-off
+        first = server.release(holder)
+        assert first.status == 1 and [h.owner_id for h in first.handoffs] == ["W"]
+        server.send_handoff = lambda srv, handoff: sent.append(handoff) or True
+        again = server.release(holder, again=True)
+        assert again.status == 1, "the retry took its own hand-off for another holder's lock"
+        assert [h.owner_id for h in again.handoffs] == ["W"] and [h.owner_id for h in sent] == ["W"]
+        # a retry by a token that handed nothing on still finds the key another's
+        other = server.acquire(f"{name}-2", 30, owner_id="O")
+        stranger = type(other)(server, other.key, "not-the-token", 0, 30.0)
+        assert server.release(stranger, again=True).status == -1
+    finally:
+        server.close()
