@@ -30,6 +30,8 @@ held by another / line        eager, and the holder is up this call stack    DEA
 held by another / line        a recovered copy still in line                 DROP (its entry will run)
 held by another / line        a hand-off copy that lost its reservation      PARK_FIRST
 held by another / line        a redelivery, or the task's own retry          PARK (never skipped)
+held by another / line        a redelivery that provably never ran (early    the task's on_duplicate, as a
+                              ack; or track_started and no state stored)     fresh delivery
 held by another / line        policy "skip"                                  SKIP (REVOKED)
 held by another / line        policy "raise"                                 RAISE (DuplicateTask)
 held by another / line        policy "retry", in a worker                    PARK (WAITING), handed the
@@ -84,6 +86,10 @@ class Delivery:
     """The broker says this message was delivered before (``delivery_info["redelivered"]``)."""
     handoff: bool = False
     """Our own copy of a waiting task, sent when its turn came."""
+    never_ran: bool = False
+    """A redelivery that provably never started: early-acked (acked as it starts, so a redelivered
+    one was requeued unstarted, e.g. prefetched at a worker restart), or ``track_started`` with no
+    state stored. Its policy applies as to a fresh delivery."""
     recovered: bool = False
     """Our own copy of a waiting task, sent again after the lock Redis lost its data."""
     retry: bool = False
@@ -126,7 +132,7 @@ def _by_table(found: Found, who: Delivery) -> Action:
         return Action.DROP
     if who.handoff:
         return Action.PARK_FIRST
-    if who.redelivered or who.retry:
+    if (who.redelivered and not who.never_ran) or who.retry:
         return Action.PARK
     if who.policy == "skip":
         return Action.SKIP

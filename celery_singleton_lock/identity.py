@@ -112,3 +112,21 @@ def mark_started(task: Any, request: Any, track_started: bool) -> None:
     if entry:
         meta["entry"] = entry
     task.backend.store_result(request.id, meta, STARTED, request=request)
+
+
+def never_ran(task: Any, request: Any, redelivered: bool) -> bool:
+    """A broker redelivery that provably never started (see ``Delivery.never_ran``).
+
+    An early-acked message is acked as it starts: redelivered, it was requeued unstarted (prefetched
+    at a worker restart). An ``acks_late`` one may have died mid-body; only ``track_started`` tells:
+    every run stores STARTED once it holds the lock, so no stored state means it never ran. Without
+    ``track_started`` it cannot be told, and it waits its turn (never skipped).
+    """
+    if not redelivered:
+        return False
+    if not (getattr(request, "acks_late", None) or task.acks_late or task.reject_on_worker_lost):
+        return True
+    if not getattr(task, "lock_track_started", False):
+        return False
+    meta = _meta(task, request)
+    return meta is not None and meta.get("status") == "PENDING"

@@ -222,6 +222,7 @@ class LockedTask(Task):
                     policy=settings.on_duplicate,
                     eager=bool(request.is_eager),
                     redelivered=redelivered,
+                    never_ran=identity.never_ran(self, request, redelivered and entry is None),
                     handoff=entry is not None and not headers.get(handoff.RECOVERED),
                     recovered=bool(headers.get(handoff.RECOVERED)),
                     retry=bool(request.retries),

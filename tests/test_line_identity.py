@@ -419,3 +419,41 @@ def test_release_retried_after_its_first_try_ran_says_deleted_and_returns_the_ha
         assert server.release(stranger, again=True).status == -1
     finally:
         server.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("acks_late", [False, True])
+def test_a_redelivery_that_never_ran_meets_the_skip_policy(redis_server, run_worker, acks_late):
+    """A message requeued unstarted (prefetched when its worker restarted: kombu restores it with
+    the redelivered flag) is no continuation of anything: under "skip" it is skipped (REVOKED), it
+    does not bypass the policy. Provably unstarted: an early-acked task (acked as it starts), or an
+    acks_late one with track_started and no state stored."""
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    app = make_app(redis_server, task_default_queue=queue, broker_transport_options=RESTORE_FAST,
+                   task_track_started=True)
+    gates, runs = Gates(), Runs()
+
+    @locked(app, lock_key=["k"], on_duplicate="skip", acks_late=acks_late,
+            name=f"li_prefetch_{uuid.uuid4().hex[:6]}.job")
+    def job(self, k, mode):
+        run = runs.begin(k, self.request.id, mode=mode)
+        try:
+            if mode == "gate":
+                gates.wait(k)
+            return mode
+        finally:
+            runs.end(run)
+
+    k = f"k-{uuid.uuid4().hex[:8]}"
+    with Recorder(app) as rec, run_worker(app, pool="threads", concurrency=3):
+        holder = job.delay(k, "gate")
+        runs.wait_started(k)
+        unstarted = str(uuid.uuid4())
+        redeliver(redis_server.client(0), job, (k, "ok"), unstarted, queue)
+        [event] = rec.wait("duplicate", unstarted)
+        assert event.data["policy"] == "skip", f"a never-run redelivery bypassed skip ({event.data['policy']})"
+        wait_until(lambda: app.AsyncResult(unstarted).state == "REVOKED", TIMEOUT, 0.05, "REVOKED")
+        gates.open(k)
+        assert holder.get(timeout=TIMEOUT) == "gate"
+        rec.wait("postrun", unstarted)
+    assert [r.task_id for r in runs.of(k)] == [holder.id]
