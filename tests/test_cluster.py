@@ -202,3 +202,40 @@ def test_the_task_contract_on_a_cluster(cluster, redis_server):
     app = make_app(redis_server, task_default_queue=f"q-{uuid.uuid4().hex[:8]}")
     app.conf.singleton_lock_url = cluster.url()  # broker and results stay on the plain private Redis
     check_contract(app)
+
+
+def test_parks_lost_with_a_shard_are_sent_again_though_the_index_epoch_did_not_change(cluster, server):
+    """(issue 17, Major 5) The lock's shard loses its data (its master's keys are gone: a shard
+    restarted empty) while the sweeper's index, and its epoch, live on another shard and keep theirs.
+    The parking process's sweeper still sends the lost park again, marked recovered, within a few of
+    its looks (before: it read only the epoch, pruned its backup copy, and the task stayed WAITING)."""
+    index = queue.index_key(f"p{uuid.uuid4().hex[:6]}")
+    name = next(n for n in (f"shard-{uuid.uuid4().hex[:6]}" for _ in range(100))
+                if cluster.node_for_key("{" + n + "}").port != cluster.node_for_key(index).port)
+    shard = cluster.node_for_key("{" + name + "}")
+    holder = server.acquire(name, 30, owner_id="holder")
+    assert isinstance(holder, Lock)
+    entry = queue.new_entry()
+    assert queue.park(server, name, entry, kind="t", wait=60, ttl=5, owner_id="waiter", message=b"msg") == 1
+    queue.announce(server, index, name)
+    sent: list = []
+    before = server.send_handoff
+    server.send_handoff = lambda srv, handoff: sent.append(handoff) or True
+    sweeper = queue.Sweeper(interval=0.2)
+    try:
+        sweeper.remember(server, name, entry, "waiter", 5, b"msg")
+        sweeper.watch(server, index)
+        wait_until(lambda: sweeper._watched.get((server, index)), 10, 0.05, "the sweeper to learn the epoch")
+        epoch = cluster.node_for_key(index).client().get(index + ":epoch")
+        shard.client().flushall()  # that shard's data only
+        lost_at = time.monotonic()
+        wait_until(lambda: [h for h in sent if h.entry == entry], 10, 0.02, "the lost park to be sent again")
+        took = time.monotonic() - lost_at
+        [again] = [h for h in sent if h.entry == entry]
+        assert again.what == "recovered" and again.owner_id == "waiter" and again.message == b"msg"
+        assert cluster.node_for_key(index).client().get(index + ":epoch") == epoch  # the epoch saw nothing
+        assert took < 0.2 * 1.25 + 2.0
+        assert sweeper.parked_count() == 0
+    finally:
+        sweeper.stop()
+        server.send_handoff = before
