@@ -66,6 +66,9 @@ SWEEP_BATCH = 100
 """Keys one sweeper looks at per round trip."""
 LONGEST_BLOCK = 5.0
 """Longest single BLPOP of a plain waiter (below the client's socket timeout)."""
+PLAIN_LEASE = 2 * LONGEST_BLOCK + 1.0
+"""Seconds a plain waiter's place outlives its last sign of life (it renews it every LONGEST_BLOCK):
+a waiter that died stops blocking the key after this, not after its whole ``wait``."""
 
 
 TOOK_ITS_TURN = -1
@@ -184,6 +187,7 @@ def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None
     deadline = time.monotonic() + wait
     entry: str | None = None
     last: Holder | None = None
+    alive_at = 0.0
     try:
         while True:
             outcome = server.acquire(name, ttl, owner_id=owner_id, entry=entry)
@@ -199,9 +203,17 @@ def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None
                 return last or Holder(slot_safe(name), None, None, None, 0, "", queued=True)
             if entry is None:
                 entry = new_entry()
-                if not park(server, name, entry, kind="p", wait=left, ttl=ttl, owner_id=owner_id or entry):
+                alive_at = time.monotonic()
+                if not park(server, name, entry, kind="p", wait=min(left, PLAIN_LEASE), ttl=ttl,
+                            owner_id=owner_id or entry):
                     entry = None  # it was freed meanwhile: take it
                 continue
+            if time.monotonic() - alive_at >= LONGEST_BLOCK:  # still here: its place lives on
+                alive_at = time.monotonic()
+                lease = ms(min(left, PLAIN_LEASE))
+                if not server.run(scripts.TOUCH, server.keys_for(slot_safe(name)), (entry, lease)):
+                    entry = None
+                    continue
             # woken by the hand-off, or look again when the holder would expire if it died
             expiry = (last.ttl_ms / 1000 if last is not None and last.ttl_ms > 0 else LONGEST_BLOCK) + 0.05
             block = max(0.01, min(left, expiry, LONGEST_BLOCK))

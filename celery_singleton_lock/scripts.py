@@ -270,6 +270,22 @@ end
 return {1, place}
 """
 
+TOUCH = _KEYS + """
+-- ARGV[1] entry id, ARGV[2] lease ms. A plain waiter (held(..., wait=...)) is
+-- alive: its record's deadline moves to now + lease, so one that died leaves the
+-- line within its lease, not its whole wait. Returns 1, or 0 if it is gone.
+local rec = redis.call('HGET', WAITERS, ARGV[1])
+if not rec then return 0 end
+local head, rest = string.match(rec, '^(..)\\n%d+\\n(.*)$')
+local until_ms = string.format('%.0f', clock() + tonumber(ARGV[2]))
+redis.call('HSET', WAITERS, ARGV[1], head .. '\\n' .. until_ms .. '\\n' .. rest)
+local keep = tonumber(ARGV[2]) + 60000                          -- as PARK: the line outlives it
+for _, key in ipairs({WAITERS, LINE}) do
+  if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
+end
+return 1
+"""
+
 SWEEP = _HAND_OFF + """
 -- For the sweeper: pass the key on if its holder died or a reservation ran
 -- out (a turn never sent, or sent longer ago than the turn timeout), and time

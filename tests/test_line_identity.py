@@ -457,3 +457,60 @@ def test_a_redelivery_that_never_ran_meets_the_skip_policy(redis_server, run_wor
         assert holder.get(timeout=TIMEOUT) == "gate"
         rec.wait("postrun", unstarted)
     assert [r.task_id for r in runs.of(k)] == [holder.id]
+
+
+PLAIN_WAITER = """
+import sys, time
+from celery_singleton_lock import LockServer, held
+with held(LockServer.from_url(sys.argv[1]), sys.argv[2], ttl=2, wait=60):
+    time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_crashed_plain_waiter_stops_blocking_the_key_within_its_lease(redis_server):
+    """A process waiting in held(..., wait=60) is SIGKILLed. It keeps its place alive only while it
+    lives (PLAIN_LEASE), so the next waiter gets the key within that lease after the release, not
+    after the dead one's whole 60 s wait (plain parks are not indexed for the sweepers)."""
+    import subprocess
+    import sys
+
+    from _task_support import ROOT
+
+    from celery_singleton_lock import LockServer, held
+    from celery_singleton_lock.lock import slot_safe
+    from celery_singleton_lock.queue import PLAIN_LEASE
+
+    server = LockServer.from_url(redis_server.url(2))
+    name = f"plain-dead-waiter-{uuid.uuid4().hex[:8]}"
+    key = slot_safe(name)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    got: list = []
+
+    def patient() -> None:
+        try:
+            with held(server, name, ttl=30, wait=40):
+                got.append(time.monotonic())
+        except Exception as exc:
+            got.append(exc)
+
+    proc = None
+    try:
+        with held(server, name, ttl=30):
+            proc = subprocess.Popen([sys.executable, "-c", PLAIN_WAITER, redis_server.url(2), name], env=env)
+            wait_until(lambda: server.client.llen(key + ":q") == 1, TIMEOUT, 0.02, "the doomed waiter to park")
+            os.kill(proc.pid, signal.SIGKILL)  # our own subprocess, by PID
+            proc.wait(10)
+            killed_at = time.monotonic()
+            thread = threading.Thread(target=patient, daemon=True)
+            thread.start()
+            wait_until(lambda: server.client.llen(key + ":q") == 2, TIMEOUT, 0.02, "the patient waiter to park")
+        thread.join(45)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        server.close()
+    assert got and isinstance(got[0], float), f"the live waiter never got the key: {got}"
+    assert got[0] - killed_at <= PLAIN_LEASE + 2 + 3.0  # its lease, the dead one's reservation (ttl 2), slack
