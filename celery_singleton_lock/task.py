@@ -271,7 +271,8 @@ class LockedTask(Task):
         reentry.register(lock)  # held(..., owner_id=<task id>) in the body re-enters it
         get_watchdog(**settings.watchdog_options).track(lock, partial(_announce_lost, self, request.id))
         lock_acquired.send(sender=self, key=lock.key, task_id=request.id, lock=lock)
-        identity.mark_started(self, request, self.lock_track_started)
+        if self.lock_track_started or handoff.ENTRY in (request.headers or ()):
+            identity.mark_started(self, request, self.lock_track_started)
 
     def _on_my_stack(self, owner_id: str | None) -> bool:
         """Is the execution holding the key up this thread's call stack (eager nesting)?"""
@@ -350,7 +351,8 @@ class LockedTask(Task):
         packed = releasing.pack_value(self, value) if remember and not get_actual_ignore_result(self, request) else b""
         status = releasing.release(lock, settings, succeeded=state == SUCCESS, remember=remember, value=packed,
                                    retries=request.retries or 0)
-        faults.kill_at("released")  # TEST-ONLY: after the release, before Celery stores the result
+        if faults.KILL_AT:  # TEST-ONLY: after the release, before Celery stores the result
+            faults.kill_at("released")
         deleted = status == 1
         if status == -1 and not lock.lost:
             lock.mark_lost(f"found at release: another holder has the key (task {request.id} ended {state})")
