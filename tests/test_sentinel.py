@@ -247,3 +247,51 @@ def test_overlaps_across_a_failover_with_and_without_wait(sentinel, record_prope
     assert without["runs"] > 0 and with_wait["runs"] > 0, "the workload ran"
     assert without["runs_after_failover"] > 0 and with_wait["runs_after_failover"] > 0, "and ran across the switch"
     assert with_wait["overlapping_pairs"] == 0, with_wait
+
+
+def test_parks_lost_in_a_failover_to_a_lagging_replica_are_sent_again():
+    """(issue 17, Major 5) A task parks while the replica is cut off (frozen, its link dropped by the
+    master), so the park reaches only the master; the master is then SIGKILLed and Sentinel promotes
+    the replica, which never got it. The index and its epoch were replicated before: the epoch says
+    nothing changed. The parking process's sweeper still sends the lost park again, marked
+    recovered, soon after its client reaches the new master (before: it pruned its backup copy, and
+    the task stayed WAITING)."""
+    import signal
+
+    from celery_singleton_lock import queue
+    from celery_singleton_lock.lock import slot_safe
+
+    with SentinelDeployment(replicas=1, sentinels=3) as dep:
+        server = server_for(dep)
+        index = queue.index_key(f"p{uuid.uuid4().hex[:6]}")
+        name = f"lagging-{uuid.uuid4().hex[:6]}"
+        key = slot_safe(name)
+        sent: list = []
+        server.send_handoff = lambda srv, handoff: sent.append(handoff) or True
+        sweeper = queue.Sweeper(interval=0.2)
+        try:
+            holder = server.acquire(name, 60, owner_id="holder")
+            assert isinstance(holder, Lock)
+            sweeper.watch(server, index)
+            wait_until(lambda: sweeper._watched.get((server, index)), 10, 0.05, "the sweeper to learn the epoch")
+            [replica] = dep.replicas
+            wait_until(lambda: replica.client(LOCK_DB).exists(key, index + ":epoch") == 2, 10, 0.05,
+                       "the replica to have the lock and the epoch")
+            old = dep.master
+            replica.pause()  # it lags: frozen, and its link dropped, so nothing more reaches it
+            old.client().client_kill_filter(_type="replica")
+            entry = queue.new_entry()
+            assert queue.park(server, name, entry, kind="t", wait=120, ttl=5, owner_id="waiter", message=b"msg") == 1
+            sweeper.remember(server, name, entry, "waiter", 5, b"msg")
+            os.kill(old.pid, signal.SIGKILL)  # our own redis-server, by PID
+            replica.resume()
+            lost_at = time.monotonic()
+            wait_until(lambda: [h for h in sent if h.entry == entry], 60, 0.05, "the lost park to be sent again")
+            took = time.monotonic() - lost_at
+            [again] = [h for h in sent if h.entry == entry]
+            assert again.what == "recovered" and again.owner_id == "waiter" and again.message == b"msg"
+            assert dep.master.port == replica.port and not dep.master.client(LOCK_DB).hexists(key + ":w", entry)
+            print(f"\n[sentinel] master killed -> lost park sent again after {took:.2f} s")
+        finally:
+            sweeper.stop()
+            server.close()
