@@ -188,12 +188,12 @@ class QuorumLockServer(LockServer):
     ) -> Lock | Holder | Verdict:
         """Take ``name`` on a majority within its validity, then write its fencing token back.
 
-        ``retake`` takes back an earlier attempt's lock under that same token (no rotation here:
-        see README, Limits)."""
+        ``retake`` takes back an earlier attempt's lock under ``token`` (a new one), as on one
+        server; a given ``token`` without ``retake`` is itself taken back."""
         ttl = check_ttl(ttl)
         key = slot_safe(name)
-        token = retake or token or secrets.token_hex(TOKEN_BYTES)
-        args = (token, wire.meta(owner_id), ms(ttl), owner_id or "", "1" if check_done else "")
+        token = token or secrets.token_hex(TOKEN_BYTES)
+        args = (token, wire.meta(owner_id), ms(ttl), owner_id or "", "1" if check_done else "", retake or "")
         sent = time.monotonic()
 
         def take(server: LockServer) -> Any:

@@ -416,7 +416,8 @@ return hand_off(clock(), '', {deleted, held or ''})
 Q_ACQUIRE = """
 -- KEYS[1] lock, KEYS[2] its fencing floor, KEYS[3] done records, KEYS[4] when this server's data
 -- began (its first use since it started empty); ARGV[1] token, ARGV[2] metadata, ARGV[3] ttl ms,
--- ARGV[4] owner id, ARGV[5] '1' to drop an owner that already succeeded here.
+-- ARGV[4] owner id, ARGV[5] '1' to drop an owner that already succeeded here, ARGV[6] the token of
+-- an earlier attempt whose reply was lost ('' none): its lock is taken back under ARGV[1].
 -- Returns {1, fence} taken (our own token: taken back), {4, fence} taken by a server whose data
 -- is younger than the ttl (it may have lost a lock it granted before: its vote alone is not
 -- trusted), {0, value, pttl} held, {2} already succeeded.
@@ -436,6 +437,12 @@ if ARGV[5] == '1' then
 end
 local held = redis.call('GET', KEYS[1])
 if held then
+  local old = ARGV[6] or ''
+  if old ~= '' and string.sub(held, 1, #old + 1) == old .. ' ' then
+    -- taken back under the new token: a second message carrying the old one finds it held
+    redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. string.match(held, '^%S+ (.*)$'), 'PX', ARGV[3])
+    return {taken, string.match(held, '^%S+ (%d+)')}
+  end
   if string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
     return {taken, string.match(held, '^%S+ (%d+)')}

@@ -286,3 +286,17 @@ def test_renewals_reach_a_member_restarted_empty(quorum, masters):
                "the renewal on every member that holds the key")
     assert any(m in holders for m in masters[1:3]), "a restarted member holds the key too"
     assert quorum.release(lock)
+
+
+def test_two_messages_with_one_lost_attempts_token_never_both_hold_the_lock(quorum):
+    """(issue 17, Major 4, quorum mode) An attempt whose replies were lost left its lock on the
+    masters under token T. The re-send carrying T takes it back, under a new token; a broker
+    redelivery of that same message (also carrying T) then finds the key held, not granted twice."""
+    name = f"q-{uuid.uuid4().hex[:10]}"
+    orphan = quorum.acquire(name, 30, owner_id="job", token="t" * 32)
+    assert isinstance(orphan, Lock)
+    first = quorum.acquire(name, 30, owner_id="job", token="a" * 32, retake="t" * 32)
+    assert isinstance(first, Lock) and first.token == "a" * 32
+    second = quorum.acquire(name, 30, owner_id="job", token="b" * 32, retake="t" * 32)
+    assert not isinstance(second, Lock), "two messages carrying one token both hold the lock"
+    assert quorum.release(first).status == 1
