@@ -79,9 +79,11 @@ def ran_since_park(task: Any, request: Any) -> bool:
         return False
     status = meta.get("status")
     entry = (request.headers or {}).get(handoff.ENTRY)
+    info = meta.get("result")
     if status == STARTED:
-        info = meta.get("result")
         return isinstance(info, dict) and entry is not None and info.get("entry") == entry
+    if status == "WAITING":  # parked again since (another message of it, e.g. its retry): this one ran
+        return isinstance(info, dict) and info.get("entry") not in (None, entry)
     if status not in READY_STATES:
         return False  # PENDING, WAITING, RETRY: it never took its turn
     parked_at = handoff.first_parked_at(request)

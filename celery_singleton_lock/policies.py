@@ -83,7 +83,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     own = holder_id == request.id
     if not own and not get_actual_ignore_result(task, request):
         task.backend.store_result(
-            request.id, {"key": key, "place": place, "holder": holder_id}, WAITING, request=request
+            request.id, {"key": key, "place": place, "holder": holder_id, "entry": entry}, WAITING, request=request
         )
     logger.info(
         "task %s[%s] waits in line for lock %s (place %d, held by %s)%s%s",

@@ -29,7 +29,7 @@ from _task_support import (
 from celery.exceptions import TaskRevokedError
 from conftest import make_app
 
-from celery_singleton_lock import DuplicateTask, LockContended, LockWaitTimeout
+from celery_singleton_lock import DuplicateTask, LockContended, LockWaitTimeout, queue
 from celery_singleton_lock.testing import wait_until
 
 pytestmark = pytest.mark.timeout(150)
@@ -165,7 +165,7 @@ def test_retry_waits_in_line_and_runs_in_turn_after_the_holder(env, rec):
         rec.wait("duplicate", dups[-1].id)
     for i, dup in enumerate(dups):
         assert dup.state == "WAITING" and not dup.ready()
-        assert dup.info == {"key": key, "place": i + 1, "holder": holder.id}
+        assert dup.info == {"key": key, "place": i + 1, "holder": holder.id, "entry": queue.entry_for(dup.id)}
     assert not holder.ready() and len(env.runs.of(k)) == 1
     assert env.retry.app.backend.get_task_meta(holder.id)["status"] != "WAITING"
     env.gates.open(k)
