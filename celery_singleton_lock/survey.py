@@ -13,7 +13,7 @@ from typing import Any
 
 from .lock import Holder
 
-_COMPANIONS = re.compile(r"^(?P<lock>.+:\{[^{}]+\}):(?:q|w|d|wake:.*)$")
+_COMPANIONS = re.compile(r"^(?P<lock>.+:\{[^{}]+\}):(?:q|w|d|g|d:.*|wake:.*)$")
 _LOCK = re.compile(r"^(?P<task>[^{}]+):\{[^{}]+\}$")
 KINDS = {"t": "task", "s": "redelivered copy", "p": "plain code"}
 STATES = {"p": "parked", "h": "handed the key (its message not yet confirmed sent)", "c": "handed the key, sent"}
@@ -33,8 +33,8 @@ def parse_key(key: str, prefixes: Sequence[str]) -> str:
             companion = _COMPANIONS.match(key)
             if companion:
                 raise ValueError(
-                    f"{key!r} is not a lock but a key beside one (its line, waiters, done records or a wake-up "
-                    f"list); the lock is {companion['lock']!r}"
+                    f"{key!r} is not a lock but a key beside one (its line, waiters, tombstones, done records "
+                    f"and values or a wake-up list); the lock is {companion['lock']!r}"
                 )
             raise ValueError(
                 f"{key!r} is not a lock key: a lock key is {prefix}:<task name>:{{<hash>}}, with the hash "
