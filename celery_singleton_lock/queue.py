@@ -41,13 +41,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import random
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
@@ -229,197 +225,11 @@ def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None
                 logger.warning("lock %s: could not leave the line (%s); the entry times out by itself", name, exc)
 
 
-# -- the sweeper --------------------------------------------------------------------
+# -- the sweeper (its own module; re-exported here, where every caller finds it) --------------
 
-
-@dataclass(frozen=True)
-class _Parked:
-    server: LockServer
-    key: str
-    entry: str
-    owner_id: str
-    ttl_ms: int
-    message: bytes
-
-
-class Sweeper:
-    """One thread per process that keeps the lines of its servers moving (see the module doc).
-
-    ``watch(server, index)`` starts it for a server; every worker process runs
-    one, so a line keeps moving whichever processes die.
-    """
-
-    def __init__(self, interval: float = SWEEP_INTERVAL) -> None:
-        self.interval = interval
-        self.pid = os.getpid()
-        self._cond = threading.Condition()
-        self._watched: dict[tuple[LockServer, str], str | None] = {}  # (server, index) -> epoch seen
-        self._parked: dict[tuple[LockServer, str, str], _Parked] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-
-    def watch(self, server: LockServer, index: str) -> None:
-        with self._cond:
-            self._watched.setdefault((server, index), None)
-            self._start()
-
-    def remember(self, server: LockServer, name: str, entry: str, owner_id: str, ttl: float, message: bytes) -> None:
-        """Keep a parked task's message here until it leaves the line, in case Redis loses it."""
-        with self._cond:
-            self._parked[(server, slot_safe(name), entry)] = _Parked(
-                server, slot_safe(name), entry, owner_id, ms(ttl), message
-            )
-            self._start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-
-    def _start(self) -> None:
-        if self._stopping or (self._thread is not None and self._thread.is_alive()):
-            return
-        self._thread = threading.Thread(target=self._loop, name=f"celery-singleton-lock-sweeper-{self.pid}",
-                                        daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        first = True
-        while True:
-            with self._cond:
-                if not first:  # the first look is at once: it learns the data's epoch
-                    # jittered, so the sweepers of many processes spread out
-                    self._cond.wait(self.interval * random.uniform(0.75, 1.25))
-                first = False
-                if self._stopping:
-                    return
-                watched = list(self._watched)
-            for server, index in watched:
-                try:
-                    self.sweep_once(server, index)
-                except LockError as exc:
-                    logger.debug("sweeping %s on %s failed: %s", index, server.url, exc)
-                except Exception:
-                    logger.exception("celery-singleton-lock sweeper: sweeping %s on %s failed", index, server.url)
-            try:
-                self._prune()
-            except Exception:
-                logger.exception("celery-singleton-lock sweeper: checking parked messages failed")
-
-    def sweep_once(self, server: LockServer, index: str) -> int:
-        """One look at the due keys of ``index``; returns how many hand-offs it made."""
-        made = 0
-        while True:
-            reply = server.run(
-                scripts.INDEX_DUE, (index, index + ":epoch"), (SWEEP_BATCH, ms(SWEEP_LEASE), uuid.uuid4().hex)
-            )
-            text = [x.decode() if isinstance(x, bytes) else str(x) for x in reply]
-            epoch, lease, keys = text[0], text[1], text[2:]
-            self._check_epoch(server, index, epoch)
-            looks: list[tuple[str, int]] = []
-            for key in keys:
-                try:
-                    next_ms, handoffs = sweep(server, key)
-                except LockError as exc:
-                    logger.warning("sweeping lock %s failed: %s", key, exc)
-                    continue
-                made += sum(1 for h in handoffs if h.what == "run")
-                looks.append((key, next_ms))
-            if looks:
-                flat = [x for key, when in looks for x in (key, str(when))]
-                server.run(scripts.INDEX_DONE, (index,), (lease, *flat))
-            if len(keys) < SWEEP_BATCH:
-                return made
-
-    def _check_epoch(self, server: LockServer, index: str, epoch: str) -> None:
-        """A new epoch means the lock Redis lost its data: say so, and look at the parked messages now."""
-        with self._cond:
-            seen = self._watched.get((server, index))
-            self._watched[(server, index)] = epoch
-            if seen is None or seen == epoch:
-                return
-            count = sum(1 for (srv, _, _) in self._parked if srv is server)
-        logger.log(
-            logging.ERROR if count else logging.WARNING,
-            "the lock Redis at %s lost its data (epoch %s, now %s): this process parked %d task(s) there; "
-            "those whose place is gone are sent again", server.url, seen, epoch, count,
-        )
-
-    def _prune(self) -> None:
-        """Forget the parked messages that left their line, and send again those lost with the data.
-
-        An entry that left for good (it ran, timed out, gave up) leaves a tombstone in its key's
-        slot (``K:g``); an entry whose record AND tombstone are gone was lost with the data: a
-        restart without persistence, a failover to a lagging replica, a Cluster shard restarted
-        empty, whatever the epoch says. Its copy goes out marked "recovered"; the task side runs it
-        only if it did not start since it parked (see identity.py). One pipelined look per server
-        and round: at most ``interval`` x 1.25 after the loss, while this process lives.
-        """
-        with self._cond:
-            parked = list(self._parked.values())
-        by_server: dict[LockServer, list[_Parked]] = {}
-        for p in parked:
-            by_server.setdefault(p.server, []).append(p)
-        for server, items in by_server.items():
-            try:
-                pipe = server.client.pipeline(transaction=False)
-                for p in items:
-                    pipe.hexists(p.key + ":w", p.entry)
-                    pipe.zscore(p.key + ":g", p.entry)
-                answers = pipe.execute()
-            except RedisError:
-                continue  # unreachable: keep them, look again next round
-            lost = []
-            with self._cond:
-                for i, p in enumerate(items):
-                    here, left = answers[2 * i], answers[2 * i + 1]
-                    if here:
-                        continue
-                    if self._parked.pop((server, p.key, p.entry), None) is not None and left is None:
-                        lost.append(p)
-            if lost:
-                logger.error("lock Redis %s: %d parked task(s) of this process lost their place (data lost): "
-                             "sending them again", server.url, len(lost))
-            for p in lost:
-                server.dispatch([Handoff(p.key, "recovered", p.entry, "t", p.owner_id, p.ttl_ms, p.message)])
-
-    def parked_count(self) -> int:
-        return len(self._parked)
-
-
-_sweeper: Sweeper | None = None
-_sweeper_lock = threading.Lock()
-
-
-def get_sweeper() -> Sweeper:
-    """This process's sweeper (anew after a fork)."""
-    global _sweeper
-    sw = _sweeper
-    if sw is not None and sw.pid == os.getpid():
-        return sw
-    with _sweeper_lock:
-        if _sweeper is None or _sweeper.pid != os.getpid():
-            _sweeper = Sweeper()
-        return _sweeper
-
-
-def shutdown_sweeper(timeout: float = 5.0) -> None:
-    sw = _sweeper
-    if sw is not None and sw.pid == os.getpid():
-        sw.stop(timeout)
-
-
-def _forget_parent_sweeper() -> None:
-    global _sweeper, _sweeper_lock
-    _sweeper = None
-    _sweeper_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_parent_sweeper)
+from .sweeper import Sweeper, get_sweeper, shutdown_sweeper  # noqa: E402
 
 __all__: Sequence[str] = [
     "park", "leave", "sweep", "line", "index_key", "announce", "wait_turn", "Sweeper", "get_sweeper",
+    "shutdown_sweeper",
 ]
