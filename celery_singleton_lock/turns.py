@@ -23,6 +23,17 @@ Why a turn is not stuck behind the backlog:
   for at most one prefetch window of the worker that takes it, never for the
   whole queue.
 
+Nor behind the worker's own prefetched messages: a prefork worker keeps the
+messages it has taken but not yet given to a child in a buffer of its own
+(up to ``worker_prefetch_multiplier`` x concurrency of them), in arrival order,
+and the broker delivers a turn to it only when that buffer has room.
+A turn received from a turns queue goes to the front of that buffer, behind
+earlier turns only (``turns_first``), so it runs on the next free child. That
+buffer (the worker's pool semaphore) is a private detail of Celery's prefork
+worker: where it is not found (the threads, solo, gevent and eventlet pools,
+or another Celery release), the turn keeps its place in arrival order and
+nothing else changes.
+
 A turn is published to the turns queue only by a process whose worker
 consumes that turns queue (so somebody reads it while that worker lives);
 any other process (``celery locks``, a worker of an older release in a
@@ -36,7 +47,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from celery.signals import worker_init, worker_ready
+from celery.signals import task_received, worker_init, worker_ready
 from kombu.entity import Exchange, Queue
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -145,3 +156,61 @@ def has_locked_tasks(app: Any) -> bool:
     from .task import LockedTask  # task.py imports this module
 
     return any(isinstance(task, LockedTask) for task in list(app.tasks.values()))
+
+
+
+# -- a turn goes to the front of the prefork worker's own buffer ---------------------------------------
+
+
+def _is_turn(request: Any) -> bool:
+    """Whether a worker's request is of a message delivered from a turns queue."""
+    key = (getattr(request, "delivery_info", None) or {}).get("routing_key")
+    return isinstance(key, str) and key.endswith(SUFFIX)
+
+
+@task_received.connect(weak=False)
+def _turn_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """Sent in the worker's main process just before the request waits for a free child: a turn
+    makes sure turns go first in that wait (installed at the first turn, once per worker)."""
+    if _is_turn(request):
+        turns_first(getattr(getattr(sender, "controller", None), "semaphore", None))
+
+
+def turns_first(semaphore: Any) -> bool:
+    """Make a prefork worker's wait for a free child put a turn ahead of the other waiting tasks,
+    behind the turns already waiting (FIFO among turns).
+
+    The worker hands a child one task at a time through ``semaphore`` (kombu's
+    ``LaxBoundedSemaphore``, one slot per child); the tasks it has prefetched wait in its
+    ``_waiting`` deque, appended through ``_add_waiter`` in arrival order and taken from the
+    front. The wrapper places a turn's ``(callback, (request,), kwargs)`` after the waiting turns
+    instead. Idempotent. Returns whether turns go first now (False: not such a semaphore, nothing
+    changed).
+    """
+    waiting = getattr(semaphore, "_waiting", None)
+    add = getattr(semaphore, "_add_waiter", None)
+    if waiting is None or not callable(add) or not hasattr(waiting, "insert"):
+        return False
+    if getattr(add, "_csl_turns_first", False):
+        return True
+
+    def add_turns_first(waiter: Any) -> None:
+        if not _is_turn(_request_of(waiter)):
+            add(waiter)
+            return
+        ahead = 0
+        while ahead < len(waiting) and _is_turn(_request_of(waiting[ahead])):
+            ahead += 1
+        waiting.insert(ahead, waiter)
+
+    add_turns_first._csl_turns_first = True  # type: ignore[attr-defined]
+    semaphore._add_waiter = add_turns_first
+    return True
+
+
+def _request_of(waiter: Any) -> Any:
+    """The request in a semaphore waiter ``(callback, (request,), kwargs)``, or None."""
+    try:
+        return waiter[1][0]
+    except (IndexError, TypeError, KeyError):
+        return None

@@ -77,7 +77,8 @@ class Nodes:
 
 
 @contextlib.contextmanager
-def start_nodes(redis_server, tmp_path_factory, broker: str, env: dict | None = None, count: int = 2):
+def start_nodes(redis_server, tmp_path_factory, broker: str, env: dict | None = None, count: int = 2,
+                concurrency: int = 2):
     wa = load_worker_app(redis_server)
     n = Nodes()
     # locks of their own per broker: a sweeper sends a waiter through its OWN app's broker
@@ -95,7 +96,7 @@ def start_nodes(redis_server, tmp_path_factory, broker: str, env: dict | None = 
     n.workers = []
     try:
         n.workers = [
-            start_worker_process(redis_server, logdir, concurrency=2, env=extra_env, extra=("-Q", n.queue),
+            start_worker_process(redis_server, logdir, concurrency=concurrency, env=extra_env, extra=("-Q", n.queue),
                                  name=f"{broker}-node{i}")
             for i in range(count)
         ]
@@ -230,6 +231,40 @@ def test_busy_redis_queue_does_not_stall_the_line(redis_nodes):
 @pytest.mark.slow
 def test_busy_rabbitmq_queue_does_not_stall_the_line(amqp_nodes):
     drain_under_backlog(amqp_nodes)
+
+
+@pytest.mark.slow
+def test_a_turn_goes_ahead_of_the_workers_own_prefetched_backlog(redis_server, tmp_path_factory):
+    """Two prefork children, prefetch 4: while the holder runs in one child, the worker has already
+    taken 8 fillers from the queue into its own buffer (the other child runs a ninth). The waiter's
+    turn arrives behind them, and must not queue a second time there: its body starts as soon as a
+    child is free, after at most the fillers that took the children first, not after the whole
+    buffer. Before: after about 8."""
+    with start_nodes(redis_server, tmp_path_factory, "redis", count=1) as n:
+        wa = n.wa
+        k = f"front-{uuid.uuid4().hex[:8]}"
+        key = wa.in_line.lock_key_for((k,), {})
+        holder = n.send("in_line", (k, 0.0, "holder", True))
+        try:
+            wait_starts(wa, k, 1)
+            waiter = n.send("in_line", (k, 0.0, "waiter"))
+            wait_until(lambda: n.locks.llen(key + ":q") >= 1, 60, 0.05, "the waiter to park")
+            fillers = [n.send("journaled_filler", (k, 0.3)) for _ in range(10)]
+            # one runs; the worker holds 8 in its own buffer (prefetch 4 x 2 children): 1 left queued
+            wait_until(lambda: n.depth() <= 1, 60, 0.05, "the worker to prefetch 8 fillers")
+        finally:
+            open_gate(wa, k)
+        assert waiter.get(timeout=TIMEOUT)["tag"] == "waiter"
+        holder.get(timeout=TIMEOUT)
+        for f in fillers:
+            f.get(timeout=TIMEOUT)
+        log = events(wa, k)
+        kinds = [(e["event"], e["id"]) for e in log]
+        holder_end = kinds.index(("end", holder.id))
+        waiter_start = kinds.index(("start", waiter.id))
+        ahead = [e for e in log[holder_end:waiter_start] if e["event"] == "filler"]
+        assert len([e for e in log if e["event"] == "filler"]) == 10, "every filler ran"
+        assert len(ahead) <= 3, f"{len(ahead)} prefetched filler(s) started between the release and the turn"
 
 
 # -- 2. a slow broker --------------------------------------------------------------------------------

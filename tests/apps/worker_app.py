@@ -390,6 +390,15 @@ def busy(seconds: float) -> None:
     time.sleep(seconds)
 
 
+@app.task(bind=True)
+def journaled_filler(self, key: str, seconds: float) -> None:
+    """Other work that says when it started, under journaled:<key>, beside a key's bodies."""
+    import json
+
+    journal.rpush(f"journaled:{key}", json.dumps({"event": "filler", "id": self.request.id, "at": time.time()}))
+    time.sleep(seconds)
+
+
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_max_wait=6.0)
 def in_line_wait6(self, key: str, tag: str = "", gate: bool = False) -> dict:
     """As in_line, but a waiter gives up 6 s after it first parked (LockWaitTimeout)."""
