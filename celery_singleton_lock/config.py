@@ -49,6 +49,17 @@ WATCHDOG_SETTINGS: dict[str, str] = {
     "singleton_lock_watchdog_socket_timeout": "socket_timeout",
 }
 
+SETTINGS: frozenset[str] = frozenset({
+    *(setting for setting, _ in OPTIONS.values()),
+    *WATCHDOG_SETTINGS,
+    "singleton_lock_url", "singleton_lock_redis_options", "singleton_lock_transport_options",
+    "singleton_lock_min_replicas", "singleton_lock_replica_timeout", "singleton_lock_release_timeout",
+    "singleton_lock_turn_timeout", "singleton_lock_redelivery_window",
+    "singleton_lock_beat_key", "singleton_lock_beat_poll", "singleton_lock_beat_ttl",
+})
+"""Every app setting read anywhere (options.py warns at worker start about any other
+``singleton_lock_*``; tests/test_options.py checks this list against the code)."""
+
 
 @dataclass(frozen=True)
 class LockSettings:

@@ -35,7 +35,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import task_postrun
 from celery.states import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS
 
-from . import config, faults, handoff, identity, keys, policies, queue, reentry, releasing, timing
+from . import config, faults, handoff, identity, keys, options, policies, queue, reentry, releasing, timing
 from . import revoke as _revoke  # noqa: F401 - takes revoked tasks out of the lines (a worker bootstep)
 from . import workers as _workers  # noqa: F401 - starts and stops this process's threads with the worker
 from .decide import Action, Delivery, decide
@@ -122,6 +122,7 @@ class LockedTask(Task):
         raw = next((k.__dict__["run"] for k in cls.__mro__ if "run" in k.__dict__), None)
         cls._lock_signature = config.signature_of(cls.run, bound=not isinstance(raw, staticmethod))
         config.check_task_options(cls.name or cls.__qualname__, cls, cls._lock_signature)
+        options.check_unknown_options(cls.name or cls.__qualname__, cls, LockedTask)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:

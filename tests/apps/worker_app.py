@@ -378,6 +378,10 @@ if os.environ.get("CSL_BROKER_URL"):  # e.g. RabbitMQ
 if os.environ.get("CSL_BROKER_READ_URL"):  # the consuming side through a delaying proxy
     app.conf.broker_read_url = os.environ["CSL_BROKER_READ_URL"]
     app.conf.broker_write_url = app.conf.broker_url
+if os.environ.get("CSL_EXTRA_CONF"):  # JSON: settings a test adds, e.g. a misspelt one
+    import json as _json_conf
+
+    app.conf.update(_json_conf.loads(os.environ["CSL_EXTRA_CONF"]))
 if os.environ.get("CSL_PREFETCH"):  # "4": Celery's default
     app.conf.worker_prefetch_multiplier = int(os.environ["CSL_PREFETCH"])
 if os.environ.get("CSL_TURN_TIMEOUT"):
