@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import time
 from functools import partial
@@ -193,6 +194,24 @@ class SentinelDeployment:
             views = [self.master_address(i) for i in range(len(self.sentinels))]
             roles = [(s.port, _role(s)) for s in self.servers]
             raise TimeoutError(f"{exc} (old master {old.port}; Sentinels name {views}; roles {roles})") from None
+        return new
+
+    def kill_master(self, timeout: float = 30.0) -> RedisServer:
+        """An unplanned failover: SIGKILL the master (what it had not yet sent to a replica is gone)
+        and return the replica the Sentinels promote, once every Sentinel names it and it took the
+        role. The killed server stays down (its ``stop`` is then a no-op)."""
+        old = self.master
+        wait_until(self._settled, timeout, 0.1, "the Sentinels to see a replica fit to promote")
+        proc, old.proc = old.proc, None
+        if proc is None:
+            raise RuntimeError(f"the master {old.port} is not a process of this deployment")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + timeout
+        wait_until(lambda: all(self.master_address(i)[1] != old.port for i in range(len(self.sentinels))),
+                   timeout, 0.05, "every Sentinel to name a new master")
+        new = self.master
+        wait_until(lambda: _role(new) == "master", max(1.0, deadline - time.monotonic()), 0.05, "the promotion")
         return new
 
     def failover_settle(self, old: RedisServer, timeout: float = 30.0) -> None:
