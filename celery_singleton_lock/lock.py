@@ -142,6 +142,9 @@ class Lock:
     """``time.monotonic()`` when the last confirmed acquire/renewal was SENT."""
     margin: float = -1.0
     """How long before ``confirmed_at + ttl`` the lock stops being trusted (set by the watchdog)."""
+    extra_margin: float = 0.0
+    """Added to ``margin`` by the server that granted it, kept when the watchdog sets ``margin``
+    (a quorum's clock-drift allowance, Redlock's drift factor)."""
     pid: int = field(default_factory=os.getpid)
     """The process that took it: a forked child never releases or renews its parent's lock."""
     lost_reason: str | None = None
@@ -164,7 +167,7 @@ class Lock:
     @property
     def deadline(self) -> float:
         """Local monotonic time after which Redis may have let the lock expire."""
-        return self.confirmed_at + self.ttl - self.margin
+        return self.confirmed_at + self.ttl - self.margin - self.extra_margin
 
     @property
     def lost(self) -> bool:
@@ -174,7 +177,8 @@ class Lock:
 
     def overdue_reason(self) -> str:
         reason = (
-            f"not confirmed by its deadline (ttl {self.ttl:g}s minus a {self.margin:.2f}s margin; last confirmed "
+            f"not confirmed by its deadline (ttl {self.ttl:g}s minus a {self.margin + self.extra_margin:.2f}s margin; "
+            "last confirmed "
             f"{time.monotonic() - self.confirmed_at:.2f}s ago): Redis unreachable or too slow, or this process "
             "was stopped or starved"
         )

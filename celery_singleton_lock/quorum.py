@@ -1,6 +1,6 @@
 """A quorum of independent Redis masters: Redlock, with fencing tokens that still only rise.
 
-The seed designs (redlock-py's RedLock, articles 001 and 002 in shared/reference) take a
+Redlock (redlock-py's RedLock, the Redis distributed-lock page) takes a
 lock on a majority of N independent masters within its validity: the TTL minus the time
 the acquire took minus a drift allowance. So a minority of servers down, slow or
 restarted neither blocks nor breaks the lock. :class:`QuorumLockServer` does that behind
@@ -11,7 +11,11 @@ task side use it unchanged:
   stopped member cannot hold the others up) and is decided as soon as a majority has
   answered either way: about one round trip of wall time, not N;
 * a member still busy with an earlier operation (stopped, or slow) is skipped, so a dead
-  minority costs nothing but its vote;
+  minority costs nothing but its vote; but a release (or the give-back of a failed attempt)
+  is queued on every member its acquire may have reached, behind that acquire, and
+  ``Q_RELEASE`` leaves a tombstone where the lock is not (yet): an acquire that runs late on
+  a member that was stopped then takes nothing, so a finished lock never lingers;
+* a duplicate is refused only on a majority's verdict (:meth:`QuorumLockServer._verdict`);
 * the watchdog renews on every member in each round; a lock no longer confirmed by a
   majority before its deadline is lost, like any other.
 
@@ -39,7 +43,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -56,6 +60,9 @@ DRIFT = 0.01
 """Clock drift allowed between this host and the members, as a share of the TTL (Redlock's factor)."""
 MEMBER_TIMEOUT = 1.0
 """Default socket timeout of the members' connections: a stopped member costs no more than this."""
+LATE = 60.0
+"""Seconds past its ttl after which an acquire still on its way to a member takes nothing there (the
+member's clock against this host's; a release's tombstone lives as long, plus a minute of skew)."""
 STUCK_AFTER = 0.1
 """Seconds a member may take over an operation before the next ones skip it (a stopped member)."""
 SINCE = "celery_singleton_lock:{quorum}:since"
@@ -73,14 +80,15 @@ class _Member:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="csl-quorum")
         self._queued: list[tuple[float, Future[Any]]] = []  # (when submitted, its future), not yet done
 
-    def submit(self, fn: Callable[[LockServer], Any]) -> Future[Any] | None:
+    def submit(self, fn: Callable[[LockServer], Any], *, force: bool = False) -> Future[Any] | None:
         """Run ``fn(server)`` on the member's thread, after what it is running; None when the member
-        seems stuck (its oldest unfinished job was sent more than STUCK_AFTER ago): it is skipped."""
+        seems stuck (its oldest unfinished job was sent more than STUCK_AFTER ago): it is skipped,
+        unless ``force`` (a release that must follow an acquire this member may still run)."""
         if self._pid != os.getpid():  # a forked child: the parent's thread is not here
             self._pid, self._pool, self._queued = os.getpid(), ThreadPoolExecutor(max_workers=1), []
         now = time.monotonic()
         self._queued = [(t, f) for t, f in self._queued if not f.done()]
-        if self._queued and now - self._queued[0][0] > STUCK_AFTER:
+        if self._queued and now - self._queued[0][0] > STUCK_AFTER and not force:
             return None
         future = self._pool.submit(fn, self.server)
         self._queued.append((now, future))
@@ -106,6 +114,8 @@ class QuorumLockServer(LockServer):
         self.majority = len(members) // 2 + 1
         self.url = "quorum(" + ", ".join(m.url for m in members) + ")"
         self._twins: dict[float, QuorumLockServer] = {}
+        self._reached: dict[str, list[int]] = {}
+        """token -> the members its acquire may have taken the key on (its release must reach them)."""
 
     @classmethod
     def from_urls(cls, urls: Sequence[str], **client_options: Any) -> QuorumLockServer:
@@ -121,6 +131,7 @@ class QuorumLockServer(LockServer):
         twin = self._twins.get(seconds)
         if twin is None:
             twin = self._twins[seconds] = QuorumLockServer([m.with_timeout(seconds) for m in self.members])
+            twin._reached = self._reached  # a lock taken here may be released through its twin
         return twin
 
     def error(self, exc: Exception, key: str) -> LockError:
@@ -138,8 +149,9 @@ class QuorumLockServer(LockServer):
     # -- fan-out ------------------------------------------------------------------
 
     def _fan_out(self, fn: Callable[[LockServer], Any], decided: Callable[[list[Any]], bool],
-                 only: Sequence[int] | None = None) -> list[Any]:
+                 only: Sequence[int] | None = None, force: Collection[int] = ()) -> list[Any]:
         """Run ``fn`` on every member (or those in ``only``) at once; results in member order.
+        Members in ``force`` get it even if they seem stuck (see :meth:`_Member.submit`).
 
         A result is the member's answer, an exception, or ``_SKIPPED`` (busy, or not asked).
         Returns as soon as ``decided(results so far)`` holds, every member asked answered, or
@@ -148,7 +160,7 @@ class QuorumLockServer(LockServer):
         results: list[Any] = [_PENDING] * len(self._members)
         futures: dict[Future[Any], int] = {}
         for i, member in enumerate(self._members):
-            future = member.submit(fn) if only is None or i in only else None
+            future = member.submit(fn, force=i in force) if only is None or i in only else None
             if future is None:
                 results[i] = _SKIPPED
             else:
@@ -193,13 +205,18 @@ class QuorumLockServer(LockServer):
         ttl = check_ttl(ttl)
         key = slot_safe(name)
         token = token or secrets.token_hex(TOKEN_BYTES)
-        args = (token, wire.meta(owner_id), ms(ttl), owner_id or "", "1" if check_done else "", retake or "")
+        too_late = int((time.time() + ttl + LATE) * 1000)
+        args = (token, wire.meta(owner_id), ms(ttl), owner_id or "", "1" if check_done else "", retake or "",
+                too_late)
         sent = time.monotonic()
 
         def take(server: LockServer) -> Any:
-            return server.run(scripts.Q_ACQUIRE, (key, key + ":f", key + ":d", SINCE), args)
+            return server.run(scripts.Q_ACQUIRE, (key, key + ":f", key + ":d", SINCE, _tomb(key, token)), args)
 
         replies = self._fan_out(take, self._settled(lambda r: int(r[0]) == 1))
+        # where this acquire may have taken the key: granted, or sent and not answered (it may run later)
+        self._reached[token] = [i for i, r in enumerate(replies)
+                                if r is not _SKIPPED and not (_ok(r) and int(r[0]) in (0, 2, 3))]
         if any(_ok(r) and int(r[0]) == 2 for r in replies):
             self._give_back_all(key, token)
             return Verdict.ALREADY_SUCCEEDED
@@ -224,21 +241,48 @@ class QuorumLockServer(LockServer):
             acks = self._fan_out(write_back, self._settled(lambda r: int(r) == 1), only=on)
             if sum(1 for r in acks if _ok(r) and int(r) == 1) >= self.majority and time.monotonic() - sent < ttl / 3:
                 lock = Lock(self, key, token, fence, ttl, owner_id, confirmed_at=sent)
-                lock.margin += DRIFT * ttl  # Redlock's drift allowance on top of the watchdog's margin
+                lock.extra_margin = DRIFT * ttl  # Redlock's drift allowance, on top of the watchdog's margin
                 return lock
         self._give_back_all(key, token)
-        held = next((r for r in replies if _ok(r) and int(r[0]) == 0), None)
-        if held is not None:
+        held, seen = self._verdict(replies)
+        if held is not None and seen >= self.majority:
             return Holder.parse(key, held[1], int(held[2]))
         errors = [r for r in replies if not _ok(r)]
         reason = "; ".join(str(e) for e in errors[:3]) or "no majority answered in time"
+        if held is not None:  # a minority's lock (a holder's release still on its way there) refuses nobody
+            reason = f"held by {Holder.parse(key, held[1], int(held[2])).owner_id} on only {seen}; {reason}"
         raise LockBackendUnavailable(self.url, f"no majority of {len(self.members)} granted the lock: {reason}")
 
+    @staticmethod
+    def _verdict(replies: list[Any]) -> tuple[Any, int]:
+        """The "held" reply of the token most members hold the key under, and on how many.
+
+        A duplicate is refused only on a majority's verdict: a lock seen on a minority (the release
+        of a finished holder still queued for a paused or slow member) beside members that are down
+        or young makes the acquire fail as unavailable (tried again later), never "held by" a task
+        that may have ended."""
+        votes: dict[bytes, list[Any]] = {}
+        for r in replies:
+            if _ok(r) and int(r[0]) == 0:
+                value = r[1] if isinstance(r[1], bytes) else str(r[1]).encode()
+                votes.setdefault(value.split(b" ", 1)[0], []).append(r)
+        if not votes:
+            return None, 0
+        best = max(votes.values(), key=len)
+        return best[0], len(best)
+
     def _give_back_all(self, key: str, token: str) -> None:
-        """Undo a failed or untrusted acquire on every member (best effort: each expires within its ttl)."""
-        probe = Lock(self.members[0], key, token, 0, 1.0)
-        self._fan_out(lambda s: s.run(scripts.RELEASE, s.keys_for(key), (probe.prefix, "", "0", "0")),
-                      lambda r: True)  # sent, not waited for
+        """Undo a failed or untrusted acquire on every member it may have reached (not waited for: a
+        member that does not run it in time keeps a tombstone that makes the late acquire a no-op)."""
+        reached = self._reached.pop(token, range(len(self.members)))
+        self._fan_out(self._releaser(key, token, ("", "0", "0")), lambda r: True, only=reached, force=reached)
+
+    def _releaser(self, key: str, token: str, rest: tuple[str, str, str]) -> Callable[[LockServer], Any]:
+        """The member job of a release: Q_RELEASE of ``token``'s lock (``rest``: owner id, succeeded,
+        remember ms), leaving a tombstone where the lock is not (yet) there."""
+        keys = (key, key + ":d", _tomb(key, token))
+        args = (token + " ", *rest, ms(LATE + 60.0))
+        return lambda server: server.run(scripts.Q_RELEASE, keys, args)
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
                 again: bool = False, retries: int = 0) -> Released:
@@ -248,9 +292,16 @@ class QuorumLockServer(LockServer):
         ``again`` changes nothing (a quorum hands no key on)."""
         if lock.pid != os.getpid():
             return Released(-2)
-        args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0")
-        replies = self._fan_out(lambda s: s.run(scripts.RELEASE, s.keys_for(lock.key), args), self._answered)
-        statuses = [int(r[0]) for r in replies if _ok(r)]
+        rest = (lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0")
+        # every member the acquire may have reached gets the release, queued behind that acquire even
+        # where the member seems stuck (before: skipped, so the late acquire left a lingering lock)
+        reached = self._reached.pop(lock.token, range(len(self.members)))
+        # decided once a majority deleted it, or so many did not that no majority can: a member that
+        # answers "gone" first (its acquire had found the key held, a late lock since deleted) does
+        # not decide the status while the members that had it are still answering
+        replies = self._fan_out(self._releaser(lock.key, lock.token, rest), self._settled(lambda r: int(r) == 1),
+                                force=reached)
+        statuses = [int(r) for r in replies if _ok(r)]
         if len(statuses) < self.majority:
             errors = [r for r in replies if not _ok(r)]
             raise LockBackendUnavailable(self.url, f"no majority answered the release: {errors[0] if errors else ''}")
@@ -303,6 +354,11 @@ class QuorumLockServer(LockServer):
             except LockError:
                 continue
         raise LockBackendUnavailable(self.url, "no member answered")
+
+
+def _tomb(key: str, token: str) -> str:
+    """The tombstone of ``token``'s attempt on ``key``: set by a release that did not find the lock."""
+    return f"{key}:x:{token}"
 
 
 _PENDING = object()

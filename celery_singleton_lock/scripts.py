@@ -418,12 +418,15 @@ Q_ACQUIRE = """
 -- began (its first use since it started empty); ARGV[1] token, ARGV[2] metadata, ARGV[3] ttl ms,
 -- ARGV[4] owner id, ARGV[5] '1' to drop an owner that already succeeded here, ARGV[6] the token of
 -- an earlier attempt whose reply was lost ('' none): its lock is taken back under ARGV[1].
+-- KEYS[5] this attempt's tombstone (Q_RELEASE), ARGV[7] ms since 1970 after which this attempt
+-- is too late to take anything (a member that was stopped or slow runs it long after it was sent).
 -- Returns {1, fence} taken (our own token: taken back), {4, fence} taken by a server whose data
 -- is younger than the ttl (it may have lost a lock it granted before: its vote alone is not
--- trusted), {0, value, pttl} held, {2} already succeeded.
+-- trusted), {0, value, pttl} held, {2} already succeeded, {3} too late: released or past ARGV[7].
 -- The fence is max(this server's clock in microseconds, its floor + 1).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if redis.call('EXISTS', KEYS[5]) == 1 or now > tonumber(ARGV[7]) then return {3} end
 local since = tonumber(redis.call('GET', KEYS[4]) or '0')
 if since == 0 then
   redis.call('SET', KEYS[4], now)
@@ -453,6 +456,32 @@ local floor = tonumber(redis.call('GET', KEYS[2]) or '0')
 local fence = string.format('%.0f', math.max(tonumber(t[1]) * 1000000 + tonumber(t[2]), floor + 1))
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3])
 return {taken, fence}
+"""
+
+Q_RELEASE = """
+-- KEYS[1] lock, KEYS[2] done records, KEYS[3] the tombstone of ARGV[1]'s attempt; ARGV[1] "<token> ",
+-- ARGV[2] owner id, ARGV[3] '1' if the holder succeeded, ARGV[4] ms to remember that success ('0':
+-- not needed), ARGV[5] ms to keep the tombstone. Returns 1 deleted (ours), 0 gone, -1 another's.
+-- Where the lock is not ours, our acquire may still be on its way to this member (it was stopped or
+-- slow, or the acquire's connection timed out and this release came on another one): a tombstone
+-- makes that acquire take nothing when it runs, so a finished lock never lingers here.
+local held = redis.call('GET', KEYS[1])
+local status = 0
+if held and string.sub(held, 1, #ARGV[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  status = 1
+else
+  if held then status = -1 end
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[5])
+end
+if ARGV[3] == '1' and ARGV[4] ~= '0' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[2])
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
+return status
 """
 
 Q_FENCE = """

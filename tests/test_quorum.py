@@ -9,13 +9,23 @@ is "unreachable", never a lock.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import random
+import signal
 import threading
 import time
 import uuid
 from contextlib import ExitStack
 
 import pytest
+from _task_support import (
+    assert_no_overlap,
+    collect_results,  # noqa: F401 - autouse: gc while Redis runs
+    load_worker_app,
+    start_worker_process,
+)
 from celery import Celery
 
 from celery_singleton_lock import LockBackendUnavailable, LockedTask, LockLost, held
@@ -152,6 +162,52 @@ def test_two_servers_restarted_empty_mid_run(quorum, masters):
             masters[2].restart()
     assert len(history.grants) == 10
     history.check()
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_a_released_lock_never_lingers_after_a_paused_minority_and_an_empty_restart(quorum, masters, run):
+    """The sequence of issue 18: 2 members paused (SIGSTOP) and used through, then resumed; 3 calls
+    of one key in turn; the OTHER 2 members restarted empty; 3 more calls in turn. Each call must
+    take the key. Before: the paused members ran an acquire sent to them before they froze after
+    its release (the release was skipped, or ran first on another connection), so the finished
+    call's lock lingered there and, beside 2 young members, refused the next calls as held."""
+    key = name()
+    tokens: list[int] = []
+
+    def call(ttl: float = 30.0) -> None:
+        def attempt() -> Lock | None:  # unreachable: tried again, as a task is re-sent
+            try:
+                got = quorum.acquire(key, ttl, owner_id=f"call-{len(tokens)}")
+            except LockBackendUnavailable:
+                return None
+            assert isinstance(got, Lock), f"call {len(tokens)} was refused as a duplicate: {got!r}"
+            return got
+
+        got = wait_until(attempt, 15.0, 0.05, f"call {len(tokens)} to take the key")
+        tokens.append(got.fencing_token)
+        time.sleep(0.2)  # the body
+        assert quorum.release(got).status == 1
+
+    masters[0].pause()
+    masters[1].pause()
+    try:
+        for _ in range(3):
+            call()
+            time.sleep(0.05)
+    finally:
+        masters[0].resume()
+        masters[1].resume()
+    for _ in range(3):
+        call()
+        time.sleep(0.05)
+    masters[3].restart()  # no persistence: empty
+    masters[4].restart()
+    for _ in range(3):
+        call()
+        time.sleep(0.05)
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), f"fencing tokens rise: {tokens}"
+    wait_until(lambda: all(not m.client(2).exists(key) for m in masters), 3.0, 0.02,
+               "no member to keep a released lock")
 
 
 def test_three_servers_down_is_unreachable_never_a_lock(quorum, masters):
@@ -300,3 +356,159 @@ def test_two_messages_with_one_lost_attempts_token_never_both_hold_the_lock(quor
     second = quorum.acquire(name, 30, owner_id="job", token="b" * 32, retake="t" * 32)
     assert not isinstance(second, Lock), "two messages carrying one token both hold the lock"
     assert quorum.release(first).status == 1
+
+
+# -- Jepsen-style, through real workers -------------------------------------------------------------
+
+JEPSEN_SECONDS = float(os.environ.get("CSL_JEPSEN_SECONDS", "60"))
+
+
+class Faults:
+    """A minority (at most 2 of 5) of faulty members at any time: paused (SIGSTOP), killed (SIGKILL)
+    and started again empty, or slow (DEBUG SLEEP). Every fault is undone by ``heal``."""
+
+    def __init__(self, masters: list[RedisServer], rng: random.Random) -> None:
+        self.masters, self.rng = masters, rng
+        self.paused: list[RedisServer] = []
+        self.log: list[str] = []
+
+    def kill_and_restart(self, m: RedisServer) -> None:
+        assert m.proc is not None
+        os.kill(m.proc.pid, signal.SIGKILL)
+        m.proc.wait(10)
+        m.proc = None
+        m.start()  # same port, no persistence: empty
+
+    def slow(self, m: RedisServer, seconds: float) -> None:
+        def sleep() -> None:
+            with contextlib.suppress(Exception), m.client(0, socket_timeout=seconds + 5) as c:
+                c.execute_command("DEBUG", "SLEEP", seconds)
+        threading.Thread(target=sleep, daemon=True).start()
+
+    def step(self) -> None:
+        healthy = [m for m in self.masters if m not in self.paused]
+        roll = self.rng.random()
+        if self.paused and (roll < 0.4 or len(self.paused) == 2):
+            m = self.paused.pop(self.rng.randrange(len(self.paused)))
+            m.resume()
+            self.log.append(f"resume {m.port}")
+        elif roll < 0.7:
+            m = self.rng.choice(healthy)
+            m.pause()
+            self.paused.append(m)
+            self.log.append(f"pause {m.port}")
+        elif roll < 0.85 and len(self.paused) < 2:
+            m = self.rng.choice(healthy)
+            self.kill_and_restart(m)
+            self.log.append(f"kill+restart {m.port}")
+        elif len(self.paused) < 2:
+            m = self.rng.choice(healthy)
+            self.slow(m, self.rng.uniform(0.2, 1.5))
+            self.log.append(f"slow {m.port}")
+
+    def heal(self) -> None:
+        while self.paused:
+            self.paused.pop().resume()
+
+
+@pytest.mark.timeout(300)
+def test_jepsen_real_workers_on_five_members_with_random_faults(masters, redis_server, tmp_path):
+    """Two worker nodes x 2 prefork children run tasks on 3 keys (on_duplicate="retry", which backs
+    off in quorum mode) for JEPSEN_SECONDS while a random minority of the 5 members is paused, killed
+    and restarted empty, or slowed; it opens with issue 18's sequence (2 paused and used through,
+    resumed, the other 2 restarted empty). The history (body start and end, fencing tokens,
+    refusals and the holder they named, results) must show: every call SUCCESS, each body once, no
+    two bodies of a key at once, fencing tokens strictly rising per key, and no call refused because
+    of a lock whose task had ended. Before: refusals named finished tasks (their lock lingered on
+    members that ran a late acquire after its release was skipped)."""
+    for m in masters:
+        if m.paused:
+            m.resume()
+        if m.proc is None:
+            m.start()
+        m.client(2).flushdb()
+    wa = load_worker_app(redis_server)
+    wa.journal.delete("handoff:parks")
+    url = ";".join(m.url(2) for m in masters)
+    conf = {"singleton_lock_retry_backoff": 0.05, "singleton_lock_retry_backoff_max": 0.3,
+            "singleton_lock_max_retries": 100000, "singleton_lock_redis_options": {"socket_timeout": 0.5}}
+    env = {"CSL_LOCK_URL": url, "CSL_EXTRA_CONF": json.dumps(conf), "CSL_JOURNAL_HANDOFF": "1"}
+    nodes = [start_worker_process(redis_server, tmp_path, concurrency=2, env=env, name=f"jepsen{i}")
+             for i in range(2)]
+    rng = random.Random(int(os.environ.get("CSL_JEPSEN_SEED", "20261124")))
+    faults = Faults(masters, rng)
+    keys = [f"jepsen-{uuid.uuid4().hex[:6]}-{i}" for i in range(3)]
+    calls: list = []
+    try:
+        for w in nodes:
+            w.wait_ready(90)
+
+        def send(n: int) -> None:
+            for _ in range(n):
+                calls.append(wa.in_line.delay(rng.choice(keys), 0.05, f"c{len(calls)}"))
+
+        # issue 18's sequence first
+        masters[0].pause()
+        masters[1].pause()
+        faults.paused += [masters[0], masters[1]]
+        send(6)
+        time.sleep(1.5)
+        faults.heal()
+        send(6)
+        time.sleep(1.5)
+        faults.kill_and_restart(masters[3])
+        faults.kill_and_restart(masters[4])
+        faults.log.append("issue 18's sequence")
+        end = time.monotonic() + JEPSEN_SECONDS
+        while time.monotonic() < end:
+            send(2)
+            faults.step()
+            time.sleep(rng.uniform(0.2, 0.6))
+        faults.heal()
+        try:
+            wait_until(lambda: all(c.state in ("SUCCESS", "FAILURE", "REVOKED") for c in calls), 120, 0.2,
+                       "every call to end")
+        except TimeoutError:
+            raise AssertionError(f"not ended: {[(c.id, c.state) for c in calls if not c.ready()][:10]}; "
+                                 f"faults: {faults.log}") from None
+    finally:
+        faults.heal()
+        for w in nodes:
+            w.stop()
+    assert [c.state for c in calls].count("SUCCESS") == len(calls), \
+        [(c.id, c.state, c.result) for c in calls if c.state != "SUCCESS"][:10]
+    refusals = [json.loads(x) for x in wa.journal.lrange("handoff:parks", 0, -1)]
+    ended_at: dict[str, float] = {}
+    for k in keys:
+        events = [json.loads(x) for x in wa.journal.lrange(f"journaled:{k}", 0, -1)]
+        starts = [e for e in events if e["event"] == "start"]
+        ends = {e["id"]: e for e in events if e["event"] == "end"}
+        assert len({e["id"] for e in starts}) == len(starts), f"{k}: a body ran twice"
+        assert set(ends) == {e["id"] for e in starts}, f"{k}: every body that started ended"
+        assert_no_overlap([(e["at"], ends[e["id"]]["at"]) for e in starts], f"bodies of {k}")
+        fences = [e["fence"] for e in sorted(starts, key=lambda e: e["at"])]
+        assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), f"{k}: fencing tokens rise: {fences}"
+        ended_at.update({i: e["at"] for i, e in ends.items()})
+    stale = [r for r in refusals if r["holder"] in ended_at and r["at"] > ended_at[r["holder"]] + 3.0]
+    assert not stale, f"{len(stale)} refused because of a finished task's lock: {stale[:3]}; faults {faults.log}"
+    ran = sum(1 for c in calls if c.state == "SUCCESS")
+    print(f"\n[jepsen] {ran} calls on {len(keys)} keys, {len(refusals)} refusals, faults: {len(faults.log)}")
+
+
+def test_the_quorum_drift_allowance_survives_the_watchdog(quorum):
+    """Redlock's drift allowance (DRIFT x ttl) is part of a quorum lock's deadline also once the
+    watchdog tracks it and sets its own margin (before: the watchdog's margin replaced it)."""
+    from celery_singleton_lock.quorum import DRIFT
+    from celery_singleton_lock.watchdog import Watchdog
+
+    dog = Watchdog()
+    lock = take(quorum, name(), ttl=10.0)
+    try:
+        dog.track(lock)
+        watchdog_margin = dog.margin(lock.ttl)
+        assert lock.margin == watchdog_margin
+        assert lock.deadline == pytest.approx(lock.confirmed_at + 10.0 - watchdog_margin - DRIFT * 10.0)
+    finally:
+        dog.forget(lock)
+        dog.shutdown()
+        quorum.release(lock)
