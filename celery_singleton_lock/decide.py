@@ -39,7 +39,10 @@ held by another / line        policy "retry", in a worker                    PAR
 held by another / line        policy "retry", eager                          WAIT_HERE (blocks in line)
 held by another / line        policy "backoff"                               BACKOFF (re-sent later)
 any of the above              on a quorum (no line), where the row says      BACKOFF (a quorum of masters
-                              PARK_* or WAIT_HERE                            cannot order a line)
+                              PARK_* or WAIT_HERE                            cannot order a line); the
+                                                                             re-send of a redelivery
+                                                                             stays one (dropped once the
+                                                                             holder succeeded)
 ============================  =============================================  ===========================
 """
 

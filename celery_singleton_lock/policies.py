@@ -38,6 +38,9 @@ end state once its turn came and it ran)."""
 UNREACHABLE = handoff.HEADER_PREFIX + "unreachable"
 """Message header counting re-sends because the lock Redis was unreachable."""
 BACKOFF = handoff.HEADER_PREFIX + "backoff"
+REDELIVERED = handoff.HEADER_PREFIX + "redelivered"
+"""On a re-send of a broker redelivery (a quorum has no line to park it in): the copy keeps its
+identity, so it is dropped once the running task succeeded rather than run again as new work."""
 """Message header counting re-sends of the "backoff" duplicate policy."""
 TOKEN = handoff.HEADER_PREFIX + "token"
 """Message header carrying the token of an acquire whose reply was lost."""
@@ -125,8 +128,10 @@ def refuse(task: Any, action: Action, request: Any, settings: config.LockSetting
         task.backend.mark_as_revoked(request.id, reason, request=request)
     raise Ignore(reason)
 
-def backoff(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, outcome: Any) -> None:
-    """The "backoff" policy: send this call again later; returns only to try again (eager)."""
+def backoff(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, outcome: Any,
+            redelivered: bool = False) -> None:
+    """The "backoff" policy: send this call again later; returns only to try again (eager).
+    ``redelivered``: the call is a broker redelivery, and its re-send says so (:data:`REDELIVERED`)."""
     holder_id = outcome.owner_id if isinstance(outcome, Holder) else None
     attempt = _count(request, BACKOFF)
     key = outcome.key if isinstance(outcome, Holder) else ""
@@ -135,7 +140,8 @@ def backoff(task: Any, request: Any, args: Any, kwargs: Any, settings: config.Lo
         raise LockContended(key, holder_id, attempt + 1)
     reason = f"lock {key} busy (held by task {holder_id}), re-sent with back-off, attempt {attempt + 1} of " \
              f"{settings.max_retries}"
-    _send_again(task, request, args, kwargs, settings, BACKOFF, attempt, reason, DuplicateTask(key, holder_id))
+    _send_again(task, request, args, kwargs, settings, BACKOFF, attempt, reason, DuplicateTask(key, holder_id),
+                redelivered=redelivered)
 
 def unreachable(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, token: str,
                 exc: LockBackendUnavailable) -> None:
@@ -149,14 +155,17 @@ def unreachable(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
     _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, reason, exc, token)
 
 def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, counter: str,
-                attempt: int, reason: str, exc: Exception, token: str | None = None) -> None:
+                attempt: int, reason: str, exc: Exception, token: str | None = None,
+                redelivered: bool = False) -> None:
     delay = _delay(settings, attempt)
     if request.is_eager:
         setattr(request, counter, attempt + 1)
         time.sleep(delay)
         return
-    headers = {k: v for k, v in (request.headers or {}).items() if k in (UNREACHABLE, BACKOFF, TOKEN)}
+    headers = {k: v for k, v in (request.headers or {}).items() if k in (UNREACHABLE, BACKOFF, TOKEN, REDELIVERED)}
     headers[counter] = attempt + 1
+    if redelivered:
+        headers[REDELIVERED] = "1"
     if token:
         headers[TOKEN] = token
     sig = task.signature_from_request(request, args, kwargs, countdown=delay, retries=request.retries)

@@ -201,7 +201,8 @@ class LockedTask(Task):
         if headers.get(handoff.EXPIRED):
             raise LockWaitTimeout(key, settings.max_wait)
         server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
-        redelivered = bool((request.delivery_info or {}).get("redelivered"))
+        resent = bool(headers.get(policies.REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
+        redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
         entry = headers.get(handoff.ENTRY) or None
         retake = headers.get(policies.TOKEN) or ""  # a lost attempt's token: taken back under a new one
         token = secrets.token_hex(16)
@@ -223,7 +224,7 @@ class LockedTask(Task):
                     policy=settings.on_duplicate,
                     eager=bool(request.is_eager),
                     redelivered=redelivered,
-                    never_ran=identity.never_ran(self, request, redelivered and entry is None),
+                    never_ran=not resent and identity.never_ran(self, request, redelivered and entry is None),
                     handoff=entry is not None and not headers.get(handoff.RECOVERED),
                     recovered=bool(headers.get(handoff.RECOVERED)),
                     retry=bool(request.retries),
@@ -259,7 +260,8 @@ class LockedTask(Task):
                     return self._run_with(got, request, settings)
                 raise LockWaitTimeout(key, settings.max_wait)
             if action is Action.BACKOFF:
-                policies.backoff(self, request, args, kwargs, settings, outcome)
+                policies.backoff(self, request, args, kwargs, settings, outcome,
+                                 redelivered=who.redelivered and not who.never_ran)
                 continue
             if action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME):
                 policies.park(self, action, request, args, kwargs, settings, server, key, outcome, entry)

@@ -512,3 +512,53 @@ def test_the_quorum_drift_allowance_survives_the_watchdog(quorum):
         dog.forget(lock)
         dog.shutdown()
         quorum.release(lock)
+
+
+def test_a_redelivery_of_a_running_task_never_runs_again_after_it_succeeded(masters, redis_server):
+    """Quorum mode has no line, so a broker redelivery of the running task (acks_late) is re-sent
+    with a back-off rather than parked first. The re-send keeps its identity (a header): once the
+    running task succeeded, the copy is dropped, never run again as new work. Before: the re-sent
+    copy was a fresh message, found the key free after the holder's release, and ran the body again."""
+    from _task_support import RESTORE_FAST, Gates, Recorder, Runs, locked, redeliver
+    from celery.contrib.testing.worker import start_worker
+    from conftest import make_app
+
+    for m in masters:
+        if m.paused:
+            m.resume()
+        if m.proc is None:
+            m.start()
+    queue = f"qr-{uuid.uuid4().hex[:8]}"
+    app = make_app(redis_server, task_default_queue=queue, broker_transport_options=RESTORE_FAST)
+    app.conf.singleton_lock_url = ";".join(m.url(4) for m in masters)
+    runs, gates = Runs(), Gates()
+
+    def body(self, k):
+        run = runs.begin(k, self.request.id)
+        try:
+            gates.wait(k)
+            return "done"
+        finally:
+            runs.end(run)
+
+    late = locked(app, lock_key=["k"], acks_late=True, on_duplicate="retry", name="qredeliv.late")(body)
+    k = f"qr-{uuid.uuid4().hex[:8]}"
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, loglevel="WARNING",
+                      shutdown_timeout=30):
+        try:
+            with Recorder(app) as rec:
+                holder = late.delay(k)
+                runs.wait_started(k)
+                redeliver(redis_server.client(0), late, (k,), holder.id, queue)
+                # the copy meets the running holder and is re-sent with a back-off, twice at least
+                wait_until(lambda: len([e for e in rec.of("duplicate", holder.id)
+                                        if e.data.get("policy") == "backoff"]) >= 2, 30, 0.02,
+                           "the redelivered copy to back off while the holder runs")
+                gates.open(k)
+                assert holder.get(timeout=30) == "done"
+                # its next try finds the holder's success: dropped ("redelivery"), never run
+                wait_until(lambda: [e for e in rec.of("duplicate", holder.id) if e.data.get("policy") == "redelivery"],
+                           30, 0.02, "the copy to be dropped")
+            assert len(runs.of(k)) == 1, f"the body ran {len(runs.of(k))} times"
+        finally:
+            gates.open_all()
