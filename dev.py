@@ -3,7 +3,7 @@
 
     python3 dev.py demo    # run the inventory demo (the main job)
     python3 dev.py demo beat   # the beat example: periodic runs never overlap
-    python3 dev.py test    # ruff, mypy, then the whole test suite (what CI runs), 3 pytest processes
+    python3 dev.py test    # ruff, mypy, lint-imports, then the whole test suite (what CI runs), 3 pytest processes
     python3 dev.py bench   # run the benchmarks (not part of CI)
 
 Set-up: a virtualenv in .venv with the package and its test extra installed
@@ -85,6 +85,9 @@ def main() -> int:
         if code:
             return code
         code = run([str(PY), "-m", "mypy"])  # strict on the package: [tool.mypy] in pyproject.toml
+        if code:
+            return code
+        code = run([str(BIN / "lint-imports")])  # the rooms' one-way doors: [tool.importlinter]
         if code:
             return code
         return run([str(PY), "-m", "pytest", *parallel(rest), *rest])

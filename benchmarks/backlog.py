@@ -33,7 +33,7 @@ from typing import Any
 from harness import BenchWorker, stop_all
 from hotkeys import HotCluster, drain
 
-from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock.testing.servers import wait_until
 
 AMQP_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 TURNS = ".singleton_turns"

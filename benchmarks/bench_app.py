@@ -202,11 +202,11 @@ def _install_breakdown() -> None:
 
     from celery_singleton_lock import keys as csl_keys
     from celery_singleton_lock import releasing as csl_releasing
-    from celery_singleton_lock import server as csl_server
     from celery_singleton_lock import signals as csl_signals
     from celery_singleton_lock import task as csl_task
-    from celery_singleton_lock import watchdog as csl_watchdog
-    from celery_singleton_lock import wire as csl_wire
+    from celery_singleton_lock.engine import server as csl_server
+    from celery_singleton_lock.engine import wire as csl_wire
+    from celery_singleton_lock.watchdog import renewer as csl_watchdog
 
     clock = time.perf_counter_ns
     main_ident = threading.main_thread().ident

@@ -99,7 +99,7 @@ class Footprint:
     def start(self, timeout: float | None = None) -> None:
         from harness import BenchWorker
 
-        from celery_singleton_lock.testing import RedisServer
+        from celery_singleton_lock.testing.servers import RedisServer
 
         self.broker = RedisServer().start()
         for v in self.variants:

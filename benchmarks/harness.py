@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from celery_singleton_lock.testing import Monitor, RedisServer, WorkerProcess, wait_until
+from celery_singleton_lock.testing.servers import Monitor, RedisServer, WorkerProcess, wait_until
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -377,7 +377,7 @@ def renewal_check(worker: BenchWorker, lock_server: RedisServer, short: float, l
 
     import bench_app
 
-    from celery_singleton_lock.scripts import RENEW_MANY
+    from celery_singleton_lock.engine.scripts import RENEW_MANY
 
     renew_sha = hashlib.sha1(RENEW_MANY.encode()).hexdigest()
     out = {}

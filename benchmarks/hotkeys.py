@@ -31,8 +31,8 @@ from typing import Any
 
 from harness import BenchWorker, percentile, stop_all
 
-from celery_singleton_lock import scripts
-from celery_singleton_lock.testing import Monitor, RedisServer, wait_until
+from celery_singleton_lock.engine import scripts
+from celery_singleton_lock.testing.servers import Monitor, RedisServer, wait_until
 
 _seq = itertools.count(1)
 HANDOFF_QUEUE = "hot-one"

@@ -47,8 +47,8 @@ def evalsha_calls(client: redis.Redis) -> int:
 
 
 def hold_ours(args: argparse.Namespace) -> dict:
-    from celery_singleton_lock.server import LockServer
-    from celery_singleton_lock.watchdog import get_watchdog
+    from celery_singleton_lock.engine.server import LockServer
+    from celery_singleton_lock.watchdog.renewer import get_watchdog
 
     logging.basicConfig(level=logging.WARNING)
     server = LockServer.from_url(args.lock_url)
@@ -171,8 +171,8 @@ def _cleanup(client: redis.Redis, keys: list[str]) -> None:
 
 def lost_latency(args: argparse.Namespace) -> dict:
     """From an outside DEL to ``.lost`` True, for locks deleted at random points of their renewal period."""
-    from celery_singleton_lock.server import LockServer
-    from celery_singleton_lock.watchdog import get_watchdog
+    from celery_singleton_lock.engine.server import LockServer
+    from celery_singleton_lock.watchdog.renewer import get_watchdog
 
     logging.getLogger("celery_singleton_lock").setLevel(logging.CRITICAL)
     server = LockServer.from_url(args.lock_url)
@@ -223,8 +223,8 @@ def micro(args: argparse.Namespace) -> dict:
     import inspect
 
     from celery_singleton_lock import config, keys
-    from celery_singleton_lock.server import LockServer
-    from celery_singleton_lock.watchdog import get_watchdog
+    from celery_singleton_lock.engine.server import LockServer
+    from celery_singleton_lock.watchdog.renewer import get_watchdog
 
     def run(i: int) -> int:
         return i
@@ -324,8 +324,8 @@ def floor(args: argparse.Namespace) -> dict:
 def quorum_cost(args: argparse.Namespace) -> dict:
     """Quorum mode (issue 12): wall time of an acquire, a release, and both, on one server and on
     quorums of the first 3 and all 5 of ``--urls`` (each a private redis-server), interleaved."""
-    from celery_singleton_lock.quorum import QuorumLockServer
-    from celery_singleton_lock.server import LockServer
+    from celery_singleton_lock.engine.server import LockServer
+    from celery_singleton_lock.topologies.quorum import QuorumLockServer
 
     urls = args.urls.split(",")
     setups = {"single": LockServer.from_url(urls[0]), "quorum N=3": QuorumLockServer.from_urls(urls[:3]),
@@ -361,8 +361,8 @@ def topology_cost(args: argparse.Namespace) -> dict:
     """Issue 11: the lock's cost per task (one acquire and one release) on one Redis, on a Sentinel-watched
     master and on a 3-master Redis Cluster, interleaved; then the watchdog with ``--n`` locks spread over
     the cluster's masters for ``--seconds``: all kept?, round trips (one pipeline per node) per period."""
-    from celery_singleton_lock.servers import from_settings
-    from celery_singleton_lock.watchdog import Watchdog
+    from celery_singleton_lock.topologies.servers import from_settings
+    from celery_singleton_lock.watchdog.renewer import Watchdog
 
     setups = {
         "single": from_settings(args.lock_url),

@@ -9,7 +9,8 @@ The engine underneath (:class:`LockServer`, :class:`Lock`) and the watchdog
 work without Celery too; see :func:`held`.
 """
 
-from . import control as _control  # noqa: F401  (registers the `celery inspect locks` command)
+from .engine.lock import Holder, Lock, Released
+from .engine.server import LockServer
 from .exceptions import (
     DuplicateTask,
     LockBackendRefused,
@@ -21,13 +22,12 @@ from .exceptions import (
     LockWaitTimeout,
     SelfDeadlock,
 )
-from .lock import Holder, Lock, Released
-from .plain import held
+from .ops import control as _control  # noqa: F401  (registers the `celery inspect locks` command)
 from .policies import WAITING
-from .server import LockServer
 from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
 from .task import LockedTask
-from .watchdog import Watchdog, get_watchdog
+from .topologies.plain import held
+from .watchdog.renewer import Watchdog, get_watchdog
 
 __all__ = [
     "LockedTask",

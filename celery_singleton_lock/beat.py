@@ -62,10 +62,10 @@ from celery.utils.time import maybe_make_aware
 from redis.exceptions import RedisError
 
 from . import config
+from .engine.lock import Holder, Lock, check_ttl, slot_safe
+from .engine.server import LockServer
 from .exceptions import LockError
-from .lock import Holder, Lock, check_ttl, slot_safe
-from .server import LockServer
-from .watchdog import get_watchdog
+from .watchdog.renewer import get_watchdog
 
 if TYPE_CHECKING:
     from celery.beat import Scheduler as _Base

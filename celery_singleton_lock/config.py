@@ -18,12 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import queue, servers
+from .engine import line as queue
+from .engine.lock import check_ttl, redact_url
+from .engine.server import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TURN_TIMEOUT, LockServer
 from .keys import KeySpec
-from .lock import check_ttl, redact_url
-from .server import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TURN_TIMEOUT, LockServer
-from .urls import lock_source, transport_options
-from .urls import lock_url as lock_url  # re-exported: callers and tests read config.lock_url
+from .topologies import servers
+from .topologies.urls import lock_source, transport_options
+from .topologies.urls import lock_url as lock_url  # re-exported: callers and tests read config.lock_url
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from celery import Celery
 from kombu.serialization import dumps, loads
 
 from . import turns
-from .lock import Handoff
-from .server import HandoffSender, LockServer
+from .engine.lock import Handoff
+from .engine.server import HandoffSender, LockServer
 
 logger = logging.getLogger("celery_singleton_lock")
 

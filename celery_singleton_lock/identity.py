@@ -28,7 +28,7 @@ from celery.states import READY_STATES, STARTED, SUCCESS
 
 from . import handoff
 from .decide import Found
-from .lock import Done, Holder, Lock, Verdict
+from .engine.lock import Done, Holder, Lock, Verdict
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -38,8 +38,9 @@ import threading
 import time
 from typing import Any
 
-from . import handoff, watchdog
+from . import handoff
 from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
+from .watchdog import renewer as watchdog
 
 PREFIX = "celery_singleton_lock_"
 

@@ -15,8 +15,12 @@ from typing import Any, NoReturn
 from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Retry
 
-from . import config, faults, handoff, queue
+from . import config, handoff
 from .decide import Action
+from .engine import faults
+from .engine import line as queue
+from .engine.lock import Done, Holder, Verdict
+from .engine.server import LockServer
 from .exceptions import (
     DuplicateTask,
     LockBackendUnavailable,
@@ -25,8 +29,6 @@ from .exceptions import (
     LockWaitTimeout,
     SelfDeadlock,
 )
-from .lock import Done, Holder, Verdict
-from .server import LockServer
 from .signals import duplicate_skipped
 
 logger = logging.getLogger("celery_singleton_lock")

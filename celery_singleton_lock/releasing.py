@@ -14,9 +14,9 @@ from celery import Task
 from kombu.serialization import dumps, loads
 
 from . import config
+from .engine.lock import Lock
+from .engine.server import LockServer
 from .exceptions import LockBackendRefused, LockBackendUnavailable, LockError
-from .lock import Lock
-from .server import LockServer
 
 logger = logging.getLogger("celery_singleton_lock")
 

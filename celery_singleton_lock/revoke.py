@@ -26,7 +26,7 @@ from celery import bootsteps
 from celery.signals import worker_init
 from celery.worker import state
 
-from . import line_ops
+from .engine import line_ops
 from .exceptions import LockError
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -87,7 +87,7 @@ def take_out(app: Any, task_id: str) -> list[str]:
 
 def _lines_of(app: Any) -> list[tuple[Any, str]]:
     """(server, sweeper index) of every LockedTask of ``app`` whose server keeps lines."""
-    from .task import LockedTask  # task.py imports this module
+    from .task import LockedTask
 
     found: dict[tuple[int, str], tuple[Any, str]] = {}
     for task in list(app.tasks.values()):

@@ -35,19 +35,17 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import task_postrun
 from celery.states import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS
 
-from . import config, faults, handoff, identity, keys, options, policies, queue, reentry, releasing, timing
+from . import config, handoff, identity, keys, options, policies, releasing
 from . import revoke as _revoke  # noqa: F401 - takes revoked tasks out of the lines (a worker bootstep)
 from . import workers as _workers  # noqa: F401 - starts and stops this process's threads with the worker
 from .decide import Action, Delivery, decide
-from .exceptions import (
-    LockBackendUnavailable,
-    LockError,
-    LockWaitTimeout,
-)
-from .lock import Done, Holder, Lock
-from .server import LockServer
+from .engine import faults, reentry, timing
+from .engine import line as queue
+from .engine.lock import Done, Holder, Lock
+from .engine.server import LockServer
+from .exceptions import LockBackendUnavailable, LockError, LockWaitTimeout
 from .signals import lock_acquired, lock_lost, lock_released
-from .watchdog import get_watchdog
+from .watchdog.renewer import get_watchdog
 
 logger = logging.getLogger("celery_singleton_lock")
 

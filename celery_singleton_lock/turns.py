@@ -153,7 +153,7 @@ def _say_turns(**_: Any) -> None:
 
 def has_locked_tasks(app: Any) -> bool:
     """Whether the app has a LockedTask (the worker imported its task modules before worker_init)."""
-    from .task import LockedTask  # task.py imports this module
+    from .task import LockedTask
 
     return any(isinstance(task, LockedTask) for task in list(app.tasks.values()))
 

@@ -11,17 +11,18 @@ from typing import Any
 
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
-from . import persistence, queue
+from .engine import line as queue
+from .engine import persistence
+from .engine.server import LockServer
 from .exceptions import LockKeyError
-from .server import LockServer
-from .watchdog import shutdown_watchdog
+from .watchdog.renewer import shutdown_watchdog
 
 logger = logging.getLogger("celery_singleton_lock")
 
 
 def watch_app(app: Any) -> None:
     """Start this process's sweeper on the servers of ``app``'s LockedTasks (worker start-up)."""
-    from .task import LockedTask  # here: task.py imports this module
+    from .task import LockedTask
 
     seen: set[tuple[LockServer, str]] = set()
     for task in list(app.tasks.values()):

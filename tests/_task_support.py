@@ -30,7 +30,7 @@ from celery.signals import task_postrun
 
 from celery_singleton_lock import LockedTask
 from celery_singleton_lock.signals import duplicate_skipped, lock_acquired, lock_released
-from celery_singleton_lock.testing import RedisServer, WorkerProcess, wait_until
+from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 30.0  # generous: two cores, other developers' tests running beside ours

@@ -19,7 +19,7 @@ from celery.exceptions import TaskRevokedError
 
 from celery_singleton_lock import DuplicateTask
 from celery_singleton_lock.signals import lock_lost
-from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock.testing.servers import wait_until
 
 
 def check_contract(app) -> None:

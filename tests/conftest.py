@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_singleton_lock.testing import RedisServer, WorkerProcess, find_redis_server
+from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, find_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 

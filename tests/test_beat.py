@@ -25,7 +25,7 @@ from conftest import ROOT, make_app
 
 from celery_singleton_lock import Lock, LockServer
 from celery_singleton_lock.beat import LeaderMixin, LeaderScheduler, beat_settings
-from celery_singleton_lock.testing import RedisServer, WorkerProcess, wait_until
+from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
 
 TTL = 2.0  # the subprocesses' singleton_lock_beat_ttl (tests/apps/beat_app.py reads CSL_BEAT_TTL)
 POLL = 0.25  # their singleton_lock_beat_poll

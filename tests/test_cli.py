@@ -32,8 +32,8 @@ from click.testing import CliRunner
 from conftest import make_app
 
 from celery_singleton_lock import LockLost
-from celery_singleton_lock.cli import duration, glob_escape, locks, parse_key
-from celery_singleton_lock.testing import Monitor, free_port, wait_until
+from celery_singleton_lock.ops.cli import duration, glob_escape, locks, parse_key
+from celery_singleton_lock.testing.servers import Monitor, free_port, wait_until
 
 LOCK_TTL = 3.0  # the workers' singleton_lock_ttl: a force release is found within a second
 ENV = {"CSL_LOCK_TTL": str(LOCK_TTL)}

@@ -19,13 +19,14 @@ from _task_support import collect_results  # noqa: F401 - autouse: gc while Redi
 from _topology_support import check_contract
 from conftest import make_app
 
-from celery_singleton_lock import queue, servers
-from celery_singleton_lock.deployments import RedisClusterDeployment
+from celery_singleton_lock.engine import line as queue
+from celery_singleton_lock.engine.lock import Holder, Lock
 from celery_singleton_lock.exceptions import LockError
-from celery_singleton_lock.lock import Holder, Lock
-from celery_singleton_lock.servers import ClusterLockServer
-from celery_singleton_lock.testing import wait_until
-from celery_singleton_lock.watchdog import Watchdog
+from celery_singleton_lock.testing.deployments import RedisClusterDeployment
+from celery_singleton_lock.testing.servers import wait_until
+from celery_singleton_lock.topologies import servers
+from celery_singleton_lock.topologies.servers import ClusterLockServer
+from celery_singleton_lock.watchdog.renewer import Watchdog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

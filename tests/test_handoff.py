@@ -44,9 +44,9 @@ from celery import chain, chord
 from celery.exceptions import WorkerLostError
 
 from celery_singleton_lock import LockContended, LockServer, LockWaitTimeout, held
-from celery_singleton_lock.lock import slot_safe
-from celery_singleton_lock.queue import LONGEST_BLOCK, SWEEP_INTERVAL, SWEEP_LEASE
-from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock.engine.line import LONGEST_BLOCK, SWEEP_INTERVAL, SWEEP_LEASE
+from celery_singleton_lock.engine.lock import slot_safe
+from celery_singleton_lock.testing.servers import wait_until
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -11,8 +11,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_singleton_lock import testing
-from celery_singleton_lock.testing import Monitor, RedisServer, free_port, wait_until
+from celery_singleton_lock.testing import servers as testing
+from celery_singleton_lock.testing.servers import Monitor, RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

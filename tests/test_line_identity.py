@@ -40,7 +40,7 @@ from celery import chain
 from conftest import make_app
 from test_handoff import events, nothing_left, open_gate, parks, starts, wait_starts
 
-from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock.testing.servers import wait_until
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -212,7 +212,7 @@ def test_two_messages_with_one_token_never_both_hold_the_lock(redis_server, run_
 def flushable(redis_server, tmp_path_factory):
     """Two prefork workers x 2 children whose locks live on a Redis of their own (which the tests
     FLUSHDB); broker and results stay on the session's Redis."""
-    from celery_singleton_lock.testing import RedisServer
+    from celery_singleton_lock.testing.servers import RedisServer
 
     wa = load_worker_app(redis_server)
     n = Nodes()
@@ -303,8 +303,9 @@ def test_persistence_check_warns_on_a_redis_that_forgets_and_tolerates_config_di
     is left alone, without an error."""
     import logging
 
-    from celery_singleton_lock import LockServer, persistence
-    from celery_singleton_lock.testing import RedisServer
+    from celery_singleton_lock import LockServer
+    from celery_singleton_lock.engine import persistence
+    from celery_singleton_lock.testing.servers import RedisServer
 
     caplog.set_level(logging.WARNING, logger="celery_singleton_lock")
     with RedisServer() as forgets, RedisServer(extra_args=["--rename-command", "CONFIG", ""]) as managed:
@@ -371,8 +372,9 @@ def test_a_redelivered_copy_of_the_holder_is_dropped_wherever_it_stands(redis_se
     another waiter went ahead of it (a copy re-parked at the head). The holder succeeds: its copy
     leaves the line at once, wherever it stands (before: only when it reached the head, and it was
     handed the key and ran the holder's body a second time)."""
-    from celery_singleton_lock import LockServer, queue
-    from celery_singleton_lock.lock import slot_safe
+    from celery_singleton_lock import LockServer
+    from celery_singleton_lock.engine import line as queue
+    from celery_singleton_lock.engine.lock import slot_safe
 
     server = LockServer.from_url(redis_server.url(2))
     try:
@@ -397,7 +399,8 @@ def test_release_retried_after_its_first_try_ran_says_deleted_and_returns_the_ha
     reserved the key for the parked waiter) is tried again (what releasing.release does after a
     timeout). The retry recognises its own hand-off: "deleted" (no false lock_lost), and it returns
     the waiter, to be sent now rather than when the reservation (one lock TTL) runs out."""
-    from celery_singleton_lock import LockServer, queue
+    from celery_singleton_lock import LockServer
+    from celery_singleton_lock.engine import line as queue
 
     server = LockServer.from_url(redis_server.url(2))
     sent: list = []
@@ -479,8 +482,8 @@ def test_a_crashed_plain_waiter_stops_blocking_the_key_within_its_lease(redis_se
     from _task_support import ROOT
 
     from celery_singleton_lock import LockServer, held
-    from celery_singleton_lock.lock import slot_safe
-    from celery_singleton_lock.queue import PLAIN_LEASE
+    from celery_singleton_lock.engine.line import PLAIN_LEASE
+    from celery_singleton_lock.engine.lock import slot_safe
 
     server = LockServer.from_url(redis_server.url(2))
     name = f"plain-dead-waiter-{uuid.uuid4().hex[:8]}"

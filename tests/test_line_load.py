@@ -39,10 +39,12 @@ from _task_support import (
 from celery import Celery
 from conftest import make_app
 
-from celery_singleton_lock import LockServer, LockWaitTimeout, held, queue, scripts
-from celery_singleton_lock.lock import Handoff, Lock, slot_safe
-from celery_singleton_lock.queue import SWEEP_INTERVAL, SWEEP_LEASE
-from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock import LockServer, LockWaitTimeout, held
+from celery_singleton_lock.engine import line as queue
+from celery_singleton_lock.engine import scripts
+from celery_singleton_lock.engine.line import SWEEP_INTERVAL, SWEEP_LEASE
+from celery_singleton_lock.engine.lock import Handoff, Lock, slot_safe
+from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.turns import SUFFIX
 
 pytestmark = pytest.mark.timeout(120)

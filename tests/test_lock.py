@@ -24,10 +24,10 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
+from celery_singleton_lock.engine.lock import Holder, Lock, check_ttl, redact_url, slot_safe
+from celery_singleton_lock.engine.server import LockServer
 from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable, LockError, LockLost
-from celery_singleton_lock.lock import Holder, Lock, check_ttl, redact_url, slot_safe
-from celery_singleton_lock.server import LockServer
-from celery_singleton_lock.testing import Monitor, RedisServer, free_port, wait_until
+from celery_singleton_lock.testing.servers import Monitor, RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -440,7 +440,7 @@ def test_a_done_record_drops_only_redeliveries_of_that_owner_until_its_window_en
     for owner in ("task-a", "task-b"):  # a then b succeed: the record is per owner, not "the last one"
         lock = server.acquire(name, 5, owner_id=owner)
         assert server.release(lock, succeeded=True, remember=0.5)
-    from celery_singleton_lock.lock import Verdict
+    from celery_singleton_lock.engine.lock import Verdict
 
     assert server.acquire(name, 5, owner_id="task-a", check_done=True) is Verdict.ALREADY_SUCCEEDED
     assert server.acquire(name, 5, owner_id="task-b", check_done=True) is Verdict.ALREADY_SUCCEEDED

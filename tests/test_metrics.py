@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 from celery.exceptions import TaskRevokedError
 
-from celery_singleton_lock.testing import WorkerProcess, free_port, wait_until
+from celery_singleton_lock.testing.servers import WorkerProcess, free_port, wait_until
 
 pytest.importorskip("prometheus_client")
 

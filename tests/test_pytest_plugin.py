@@ -23,7 +23,7 @@ import pytest
 
 from celery_singleton_lock.pytest_plugin import LockEvents
 from celery_singleton_lock.signals import duplicate_skipped, lock_acquired, lock_released
-from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock.testing.servers import wait_until
 
 pytest_plugins = ["pytester"]
 
@@ -205,7 +205,7 @@ def test_a_session_that_does_not_use_it_starts_nothing(
 
             def test_plain(request):
                 assert request.config.pluginmanager.has_plugin("celery_singleton_lock")
-                assert "celery_singleton_lock.testing" not in sys.modules
+                assert "celery_singleton_lock.testing.servers" not in sys.modules
 
             def test_asks_for_the_server(singleton_lock_redis):
                 pass

@@ -29,10 +29,10 @@ from _task_support import (
 from celery import Celery
 
 from celery_singleton_lock import LockBackendUnavailable, LockedTask, LockLost, held
-from celery_singleton_lock.lock import Holder, Lock
-from celery_singleton_lock.quorum import QuorumLockServer
-from celery_singleton_lock.servers import from_settings
-from celery_singleton_lock.testing import RedisServer, wait_until
+from celery_singleton_lock.engine.lock import Holder, Lock
+from celery_singleton_lock.testing.servers import RedisServer, wait_until
+from celery_singleton_lock.topologies.quorum import QuorumLockServer
+from celery_singleton_lock.topologies.servers import from_settings
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -498,8 +498,8 @@ def test_jepsen_real_workers_on_five_members_with_random_faults(masters, redis_s
 def test_the_quorum_drift_allowance_survives_the_watchdog(quorum):
     """Redlock's drift allowance (DRIFT x ttl) is part of a quorum lock's deadline also once the
     watchdog tracks it and sets its own margin (before: the watchdog's margin replaced it)."""
-    from celery_singleton_lock.quorum import DRIFT
-    from celery_singleton_lock.watchdog import Watchdog
+    from celery_singleton_lock.topologies.quorum import DRIFT
+    from celery_singleton_lock.watchdog.renewer import Watchdog
 
     dog = Watchdog()
     lock = take(quorum, name(), ttl=10.0)

@@ -1,4 +1,4 @@
-"""Reentrancy (celery_singleton_lock.reentry): the same owner taking the same key again, in the same
+"""Reentrancy (celery_singleton_lock.engine.reentry): the same owner taking the same key again, in the same
 thread, nests on the one lock; another owner, or the same owner id in another thread, does not.
 
 All against a private redis-server (tests/conftest.py); the task tests run real in-process workers
@@ -20,7 +20,7 @@ from _task_support import (
 from conftest import make_app
 
 from celery_singleton_lock import LockContended, LockError, LockLost, LockServer, SelfDeadlock, held
-from celery_singleton_lock.testing import Monitor, wait_until
+from celery_singleton_lock.testing.servers import Monitor, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -46,17 +46,12 @@ from celery import chain, chord, group
 from celery.signals import task_failure, task_prerun, task_retry
 from conftest import make_app
 
-from celery_singleton_lock import (
-    LockBackendRefused,
-    LockBackendUnavailable,
-    LockKeyError,
-    lock_lost,
-    timing,
-)
-from celery_singleton_lock.lock import Lock
-from celery_singleton_lock.server import LockServer
-from celery_singleton_lock.testing import Monitor, RedisServer, free_port, wait_until
-from celery_singleton_lock.watchdog import Watchdog
+from celery_singleton_lock import LockBackendRefused, LockBackendUnavailable, LockKeyError, lock_lost
+from celery_singleton_lock.engine import timing
+from celery_singleton_lock.engine.lock import Lock
+from celery_singleton_lock.engine.server import LockServer
+from celery_singleton_lock.testing.servers import Monitor, RedisServer, free_port, wait_until
+from celery_singleton_lock.watchdog.renewer import Watchdog
 
 LOGGER = "celery_singleton_lock"
 WD_LOGGER = "celery_singleton_lock.watchdog"

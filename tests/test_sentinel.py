@@ -30,14 +30,15 @@ from _topology_support import check_contract
 from celery import Celery
 from conftest import make_app
 
-from celery_singleton_lock import LockedTask, config, servers
-from celery_singleton_lock.deployments import SentinelDeployment, _role
+from celery_singleton_lock import LockedTask, config
+from celery_singleton_lock.engine.lock import Lock
+from celery_singleton_lock.engine.scripts import ACQUIRE
 from celery_singleton_lock.exceptions import LockBackendUnavailable, LockError
-from celery_singleton_lock.lock import Lock
-from celery_singleton_lock.scripts import ACQUIRE
-from celery_singleton_lock.servers import SentinelLockServer
-from celery_singleton_lock.testing import wait_until
-from celery_singleton_lock.watchdog import Watchdog
+from celery_singleton_lock.testing.deployments import SentinelDeployment, _role
+from celery_singleton_lock.testing.servers import wait_until
+from celery_singleton_lock.topologies import servers
+from celery_singleton_lock.topologies.servers import SentinelLockServer
+from celery_singleton_lock.watchdog.renewer import Watchdog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -335,8 +336,8 @@ def test_parks_lost_in_a_failover_to_a_lagging_replica_are_sent_again():
     the task stayed WAITING)."""
     import signal
 
-    from celery_singleton_lock import queue
-    from celery_singleton_lock.lock import slot_safe
+    from celery_singleton_lock.engine import line as queue
+    from celery_singleton_lock.engine.lock import slot_safe
 
     with SentinelDeployment(replicas=1, sentinels=3) as dep:
         server = server_for(dep)

@@ -49,7 +49,7 @@ def test_footprint_early_ack_leaves_nothing_and_acks_late_only_its_window(redis_
 
     from conftest import make_app
 
-    from celery_singleton_lock.testing import wait_until
+    from celery_singleton_lock.testing.servers import wait_until
 
     app = make_app(redis_server, singleton_lock_redelivery_window=1.0,
                    singleton_lock_prefix=f"fp{uuid.uuid4().hex[:6]}")

@@ -17,7 +17,7 @@ from conftest import make_app
 
 from celery_singleton_lock import LockedTask
 from celery_singleton_lock import config as cfg
-from celery_singleton_lock.testing import free_port
+from celery_singleton_lock.testing.servers import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -162,7 +162,7 @@ def test_watchdog_settings_reach_the_watchdog_options():
                     singleton_lock_watchdog_socket_timeout=0.1)
     options = cfg.resolve(task).watchdog_options
     assert options == {"tick": 0.05, "chunk": 100, "socket_timeout": 0.1}
-    from celery_singleton_lock.watchdog import Watchdog
+    from celery_singleton_lock.watchdog.renewer import Watchdog
 
     wd = Watchdog(**options)  # the same options a process's watchdog is made with
     assert (wd.tick, wd.chunk, wd.socket_timeout) == (0.05, 100, 0.1)

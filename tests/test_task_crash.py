@@ -27,8 +27,8 @@ from _task_support import (
 )
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 
-from celery_singleton_lock.queue import SWEEP_INTERVAL, SWEEP_LEASE
-from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock.engine.line import SWEEP_INTERVAL, SWEEP_LEASE
+from celery_singleton_lock.testing.servers import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -29,8 +29,9 @@ from _task_support import (
 from celery.exceptions import TaskRevokedError
 from conftest import make_app
 
-from celery_singleton_lock import DuplicateTask, LockContended, LockWaitTimeout, queue
-from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock import DuplicateTask, LockContended, LockWaitTimeout
+from celery_singleton_lock.engine import line as queue
+from celery_singleton_lock.testing.servers import wait_until
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -25,7 +25,7 @@ from celery.signals import after_task_publish
 from conftest import make_app
 
 from celery_singleton_lock import LockKeyError
-from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock.testing.servers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -130,7 +130,10 @@ def assert_free_then_fresh_runs(env, rec, task, k):
     assert first.kind == "acquired" and first.key == key
     assert env.runs.of(k, fresh.id)
     released = rec.wait("released", fresh.id, count=len(env.runs.of(k, fresh.id)))
-    assert released[-1].data["state"] == "SUCCESS"
+    # one run SUCCEEDED (a task that retries or requeues itself also released once before; in the
+    # threads pool the two release signals may be recorded in either order)
+    states = [e.data["state"] for e in released]
+    assert states.count("SUCCESS") == 1, states
     assert env.locks.exists(key) == 0
 
 

@@ -37,7 +37,7 @@ from _task_support import (
 )
 from conftest import make_app
 
-from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock.testing.servers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,7 @@ from celery.signals import task_retry
 from conftest import make_app
 
 from celery_singleton_lock import LockBackendUnavailable, LockError
-from celery_singleton_lock.testing import free_port
+from celery_singleton_lock.testing.servers import free_port
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -23,11 +23,12 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_singleton_lock import LockedTask, config, servers
-from celery_singleton_lock import urls as cfg
-from celery_singleton_lock.lock import redact_url
-from celery_singleton_lock.server import LockServer
-from celery_singleton_lock.testing import RedisServer, free_port
+from celery_singleton_lock import LockedTask, config
+from celery_singleton_lock.engine.lock import redact_url
+from celery_singleton_lock.engine.server import LockServer
+from celery_singleton_lock.testing.servers import RedisServer, free_port
+from celery_singleton_lock.topologies import servers
+from celery_singleton_lock.topologies import urls as cfg
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -498,7 +499,7 @@ def test_replica_settings_are_checked(conf, words):
 
 
 def test_a_sentinel_url_without_a_master_name_is_an_error_naming_the_setting():
-    from celery_singleton_lock import servers
+    from celery_singleton_lock.topologies import servers
 
     with pytest.raises(ValueError, match="singleton_lock_transport_options.*master_name"):
         servers.from_settings("sentinel://127.0.0.1:1/0")

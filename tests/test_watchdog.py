@@ -18,13 +18,13 @@ import time
 
 import pytest
 
-from celery_singleton_lock import notify
+from celery_singleton_lock.engine import notify
+from celery_singleton_lock.engine.lock import Lock
+from celery_singleton_lock.engine.scripts import RELEASE, RENEW_MANY
+from celery_singleton_lock.engine.server import LockServer
 from celery_singleton_lock.exceptions import LockError, LockLost
-from celery_singleton_lock.lock import Lock
-from celery_singleton_lock.scripts import RELEASE, RENEW_MANY
-from celery_singleton_lock.server import LockServer
-from celery_singleton_lock.testing import Monitor, RedisServer, wait_until
-from celery_singleton_lock.watchdog import Watchdog, get_watchdog, shutdown_watchdog
+from celery_singleton_lock.testing.servers import Monitor, RedisServer, wait_until
+from celery_singleton_lock.watchdog.renewer import Watchdog, get_watchdog, shutdown_watchdog
 
 RENEW_SHA = hashlib.sha1(RENEW_MANY.encode()).hexdigest()
 RELEASE_SHA = hashlib.sha1(RELEASE.encode()).hexdigest()

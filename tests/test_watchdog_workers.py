@@ -18,8 +18,8 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_singleton_lock import LockedTask, LockLost, lock_lost
-from celery_singleton_lock.server import LockServer
-from celery_singleton_lock.testing import wait_until
+from celery_singleton_lock.engine.server import LockServer
+from celery_singleton_lock.testing.servers import wait_until
 
 LONG = 6.0  # seconds the long task runs
 TTL = 2  # its lock's ttl: the watchdog must renew it about 9 times (1 s would be below

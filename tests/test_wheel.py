@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_singleton_lock.wheel import TimerWheel
+from celery_singleton_lock.watchdog.wheel import TimerWheel
 
 pytestmark = pytest.mark.timeout(10)
 

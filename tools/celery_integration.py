@@ -271,7 +271,7 @@ class Shard:
             self.failure = f"{type(exc).__name__}: {exc}"
 
     def _run(self) -> None:
-        from celery_singleton_lock.testing import RedisServer
+        from celery_singleton_lock.testing.servers import RedisServer
 
         self.out.mkdir(parents=True, exist_ok=True)
         args = self.args

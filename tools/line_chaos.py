@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from celery_singleton_lock.testing import RedisServer, WorkerProcess  # noqa: E402
+from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess  # noqa: E402
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from celery_singleton_lock.testing import RedisServer, WorkerProcess
+from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess
 
 HERE = Path(__file__).resolve().parent
 WATCH = 10.0  # seconds

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from celery import group
 
-from celery_singleton_lock.testing import RedisServer, WorkerProcess
+from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess
 
 HERE = Path(__file__).resolve().parent
 SKUS = ("apple", "pear", "plum", "fig")

@@ -7,7 +7,7 @@ block ends. Inside, ``lock.ensure()`` and ``lock.fencing_token`` work as in a ta
 
 With an ``owner_id`` it is reentrant within one thread: the same owner taking
 the same key again nests (``lock.depth``) instead of waiting for itself; see
-:mod:`celery_singleton_lock.reentry` and docs/beat_and_reentrancy.md.
+:mod:`celery_singleton_lock.engine.reentry` and docs/beat_and_reentrancy.md.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from . import reentry
-from .exceptions import LockContended
-from .lock import Done, Holder, Lock, Verdict, slot_safe
-from .queue import wait_turn
-from .server import LockServer
+from ..engine import reentry
+from ..engine.line import wait_turn
+from ..engine.lock import Done, Holder, Lock, Verdict, slot_safe
+from ..engine.server import LockServer
+from ..exceptions import LockContended
+from ..watchdog.renewer import get_watchdog
 from .servers import from_settings
-from .watchdog import get_watchdog
 
 _servers: dict[str, LockServer] = {}
 _servers_lock = threading.Lock()

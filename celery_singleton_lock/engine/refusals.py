@@ -25,7 +25,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .exceptions import LockBackendRefused, LockBackendUnavailable, LockError
+from ..exceptions import LockBackendRefused, LockBackendUnavailable, LockError
 
 # Replies that mean "not now" rather than "never": a failover, a loading replica, a busy script, a slot
 # still moving after every redirect was followed.

@@ -9,7 +9,7 @@ that idea, with the owner made explicit and scoped to one thread:
   ``threading.local``, so under gevent/eventlet one per greenlet), by
   ``(server, key, owner id)``;
 * ``held(server, key, owner_id=X)`` while this thread already holds ``key`` on
-  that server for owner ``X`` gets the same :class:`~celery_singleton_lock.lock.Lock`
+  that server for owner ``X`` gets the same :class:`~celery_singleton_lock.engine.lock.Lock`
   back with ``depth`` + 1, without a round trip; leaving a nested block takes
   one off; only the outermost exit releases;
 * another thread with the same owner id finds nothing here and takes the lock
@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from .exceptions import LockError
+from ..exceptions import LockError
 
 if TYPE_CHECKING:
     from .lock import Lock

@@ -1,4 +1,4 @@
-"""The per-process sweeper of the waiting lines (see :mod:`celery_singleton_lock.queue`, which
+"""The per-process sweeper of the waiting lines (see :mod:`celery_singleton_lock.engine.line`, which
 re-exports it): it passes on keys whose holder died, times waiters out, and sends again the parks
 this process made that were lost with the lock Redis's data.
 
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
+from ..exceptions import LockError
 from . import scripts
-from .exceptions import LockError
+from .line import SWEEP_BATCH, SWEEP_INTERVAL, SWEEP_LEASE, sweep
 from .lock import Handoff, ms, slot_safe
-from .queue import SWEEP_BATCH, SWEEP_INTERVAL, SWEEP_LEASE, sweep
 from .server import LockServer
 
 logger = logging.getLogger("celery_singleton_lock")

@@ -47,8 +47,8 @@ from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
+from ..exceptions import LockError
 from . import scripts
-from .exceptions import LockError
 from .lock import Handoff, Holder, Lock, Verdict, ms, slot_safe
 from .server import LockServer
 

@@ -9,7 +9,7 @@ Registered on the ``celery locks`` group (cli.py imports this module)::
 handed and is on its way, out of the line), task id, kind, state, how long
 it has waited (since it first parked), and when it gives up
 (``lock_max_wait``). ``drop`` takes one task out of the line (the engine's
-:func:`celery_singleton_lock.line_ops.remove`; if the key was reserved for
+:func:`celery_singleton_lock.engine.line_ops.remove`; if the key was reserved for
 it, it passes on at once), stores REVOKED for it, and logs who did it.
 
 Exit status, as ``release``: 0 done (``line``: the key has waiters; ``drop``:
@@ -25,9 +25,10 @@ from typing import Any
 
 import click
 
-from . import handoff, line_ops
+from .. import handoff
+from ..engine import line_ops
+from ..exceptions import LockError
 from .cli import Target, audit, fail, locks, open_target, who_am_i
-from .exceptions import LockError
 from .survey import KINDS, STATES, duration, message_summary, to_json
 
 

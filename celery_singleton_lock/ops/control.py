@@ -52,10 +52,10 @@ from typing import Any
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_shutdown
 from celery.worker.control import inspect_command
 
-from . import timing
-from . import watchdog as _watchdog_module
-from .signals import lock_acquired, lock_lost, lock_released
-from .watchdog import Watchdog
+from ..engine import timing
+from ..signals import lock_acquired, lock_lost, lock_released
+from ..watchdog import renewer as _watchdog_module
+from ..watchdog.renewer import Watchdog
 
 logger = logging.getLogger("celery_singleton_lock")
 

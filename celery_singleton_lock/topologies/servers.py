@@ -1,7 +1,7 @@
 """Where locks live: one Redis, a Sentinel-watched master, or a Redis Cluster.
 
 Topology is a choice of client, never an ``if cluster:`` inside the scripts.
-Every kind is a :class:`~celery_singleton_lock.server.LockServer` (acquire,
+Every kind is a :class:`~celery_singleton_lock.engine.server.LockServer` (acquire,
 release, renew_many, ...); what differs is only how a packed EVALSHA reaches
 the right Redis, so each subclass overrides the transport pieces and nothing
 else:
@@ -35,10 +35,10 @@ import os
 import threading
 from typing import Any
 
+from ..engine.lock import check_ttl, redact_url
+from ..engine.server import DEFAULT_REPLICA_TIMEOUT, LockServer
 from .cluster import ClusterLockServer
-from .lock import check_ttl, redact_url
 from .sentinel import SentinelLockServer
-from .server import DEFAULT_REPLICA_TIMEOUT, LockServer
 from .urls import redis_url_for, topology
 
 __all__ = ["from_settings", "SentinelLockServer", "ClusterLockServer", "topology"]

@@ -29,8 +29,8 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from ..exceptions import LockBackendUnavailable, LockError
 from . import faults, refusals, scripts, wire
-from .exceptions import LockBackendUnavailable, LockError
 from .lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, redact_url, slot_safe
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -68,14 +68,14 @@ class LockServer:
 
     ``send_handoff`` is how a waiting task is sent when the key is passed to it:
     the Celery side sets it (it knows how to publish); without it such a waiter
-    is left for a sweeper (see :mod:`celery_singleton_lock.queue`).
+    is left for a sweeper (see :mod:`celery_singleton_lock.engine.line`).
 
     ``min_replicas`` > 0 makes an acquire (and a renewal) count only once that
     many replicas acknowledged it (Redis ``WAIT``, sent with the script in the
     same round trip, waiting up to ``replica_timeout`` seconds): a lock a
     failover could lose is given back and :class:`LockBackendUnavailable`
     raised. See docs/topologies.md. Other topologies (Sentinel, Cluster) are
-    subclasses in :mod:`celery_singleton_lock.servers`.
+    subclasses in :mod:`celery_singleton_lock.topologies.servers`.
     """
 
     supports_line = True

@@ -19,7 +19,7 @@ many keys it holds. Exit status: 0 done (``show``: the lock is held;
 confirmed), 2 a bad key, task or argument, or a lock Redis that is
 misconfigured or unreachable, with a one-line error.
 
-Every key of a lock ``K`` is described in :mod:`celery_singleton_lock.scripts`.
+Every key of a lock ``K`` is described in :mod:`celery_singleton_lock.engine.scripts`.
 """
 
 from __future__ import annotations
@@ -36,10 +36,14 @@ from typing import Any, NoReturn
 import click
 from redis.exceptions import RedisError
 
-from . import handoff, scripts, servers
-from .exceptions import LockError, LockKeyError
-from .lock import Handoff, redact_url
-from .server import LockServer
+from .. import handoff
+from ..engine import scripts
+from ..engine.lock import Handoff, redact_url
+from ..engine.server import LockServer
+from ..exceptions import LockError, LockKeyError
+from ..task import LockedTask
+from ..topologies import servers
+from ..topologies.urls import lock_source, transport_options
 from .survey import (
     KINDS,
     STATES,
@@ -52,8 +56,6 @@ from .survey import (
     table,
     to_json,
 )
-from .task import LockedTask
-from .urls import lock_source, transport_options
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from .testing import RedisServer, find_redis_server, wait_until
+from .servers import RedisServer, find_redis_server, wait_until
 
 # -- deployments: Sentinel and Cluster, built from private redis-servers -----------------------------
 

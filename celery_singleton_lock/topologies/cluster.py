@@ -1,6 +1,6 @@
 """Redis Cluster: one EVALSHA to the node of the lock's slot, and batched renewals per node.
 
-:class:`ClusterLockServer` is a :class:`~celery_singleton_lock.server.LockServer` on
+:class:`ClusterLockServer` is a :class:`~celery_singleton_lock.engine.server.LockServer` on
 redis-py's ``RedisCluster`` for the slot map and the plain commands, with its own routing
 for the scripts (every key of one lock shares the first key's slot): MOVED and ASK are
 followed, TRYAGAIN waited out while a slot moves, and the new master found after a node
@@ -35,10 +35,10 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
-from . import scripts, wire
-from .exceptions import LockBackendUnavailable, LockError
-from .lock import Lock, ms, redact_url
-from .server import DEFAULT_CLIENT_OPTIONS, LockServer, Unreplicated
+from ..engine import scripts, wire
+from ..engine.lock import Lock, ms, redact_url
+from ..engine.server import DEFAULT_CLIENT_OPTIONS, LockServer, Unreplicated
+from ..exceptions import LockBackendUnavailable, LockError
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -7,7 +7,7 @@ key passes to the next waiter at once, as a release would), and
 :func:`remove_everywhere` looks for the task id in every line that has
 waiters (the sweeper's index: one round trip per such key). Engine code: it
 knows nothing of Celery; :mod:`celery_singleton_lock.revoke` and
-:mod:`celery_singleton_lock.cli_line` call it.
+:mod:`celery_singleton_lock.ops.cli_line` call it.
 """
 
 from __future__ import annotations

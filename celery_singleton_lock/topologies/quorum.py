@@ -47,10 +47,10 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from . import scripts, wire
-from .exceptions import LockBackendUnavailable, LockError
-from .lock import Holder, Lock, Released, Verdict, check_ttl, ms, redact_url, slot_safe
-from .server import TOKEN_BYTES, LockServer
+from ..engine import scripts, wire
+from ..engine.lock import Holder, Lock, Released, Verdict, check_ttl, ms, redact_url, slot_safe
+from ..engine.server import TOKEN_BYTES, LockServer
+from ..exceptions import LockBackendUnavailable, LockError
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -1,6 +1,6 @@
 """Sentinel: a master watched by Sentinels, followed across a failover.
 
-:class:`SentinelLockServer` is a :class:`~celery_singleton_lock.server.LockServer` on
+:class:`SentinelLockServer` is a :class:`~celery_singleton_lock.engine.server.LockServer` on
 redis-py's ``Sentinel.master_for`` client, whose connections ask the Sentinels for the
 master each time they (re)connect, plus a per-process listener of Sentinel's
 ``+switch-master`` that moves every held connection to the new master at once (redis-py
@@ -26,8 +26,8 @@ from redis.exceptions import (
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from .lock import redact_url
-from .server import DEFAULT_CLIENT_OPTIONS, LockServer
+from ..engine.lock import redact_url
+from ..engine.server import DEFAULT_CLIENT_OPTIONS, LockServer
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -5,17 +5,17 @@ A lock URL names one Redis (``redis://``, ``rediss://``, ``unix://``, ``redis+so
 Sentinel-watched master in Celery's own form (``sentinel://[:password@]host:port/db;sentinel://...``;
 the master name comes from the transport options), or a Redis Cluster
 (``redis+cluster://host:port[,host:port...]``, ``rediss+cluster://``). Which client each gets is
-:mod:`celery_singleton_lock.servers`' business.
+:mod:`celery_singleton_lock.topologies.servers`' business.
 
 Pure functions of the settings; the eviction-policy check, which asks the server, is in
-:mod:`celery_singleton_lock.servers`.
+:mod:`celery_singleton_lock.topologies.servers`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .lock import _split_url_list, redact_url
+from ..engine.lock import _split_url_list, redact_url
 
 
 def _is_redis(url: Any) -> bool:
@@ -273,7 +273,7 @@ def redis_url_for(url: str) -> str:
     Everything else passes as written. What cannot reach redis-py through a URL, or would
     reach it silently wrong (redis-py reads ``redis://h/first`` as db 0), is a ValueError
     naming the parameter and its value. Sentinel URLs are checked part by part and a
-    Cluster URL as its first node's (see :mod:`celery_singleton_lock.servers`).
+    Cluster URL as its first node's (see :mod:`celery_singleton_lock.topologies.servers`).
     """
 
     reason = _not_one_redis(url)

@@ -2,7 +2,7 @@
 
 Locks are kept with a short TTL so that a crashed worker frees them quickly;
 the watchdog keeps a running execution's lock alive. It is one thread driving
-a :class:`~celery_singleton_lock.wheel.TimerWheel`, whatever the number of
+a :class:`~celery_singleton_lock.watchdog.wheel.TimerWheel`, whatever the number of
 locks (python-redis-lock starts a thread per lock):
 
 * a lock is due TTL/3 after the send time of its acquire or last renewal, on a
@@ -15,12 +15,12 @@ locks (python-redis-lock starts a thread per lock):
 * "not owner" means lost at once; a transport error or a failed chunk means
   try again on the next tick (the locks of a chunk Redis refused are retried
   alone, so one bad key cannot take its chunk-mates down). A lock whose
-  deadline (:mod:`~celery_singleton_lock.timing`) passes unconfirmed is lost,
+  deadline (:mod:`~celery_singleton_lock.engine.timing`) passes unconfirmed is lost,
   even while Redis is unreachable: deadlines are checked on every tick.
 
 A lost lock is marked on its handle (``.lost``, ``.ensure()`` raises
 :class:`LockLost`) and never renewed again; its ERROR line and its ``on_lost``
-callback run on the reporter thread (:mod:`~celery_singleton_lock.notify`), so
+callback run on the reporter thread (:mod:`~celery_singleton_lock.engine.notify`), so
 a slow receiver cannot make other locks miss their renewals.
 :meth:`Watchdog.forget` is synchronous: when it returns no renewal of the lock
 is in flight and none will ever be sent, so the caller may release.
@@ -42,14 +42,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import timing
-from .exceptions import LockBackendUnavailable, LockError
-from .lock import Lock
-from .server import LockServer
-from .timing import DEFAULT_SOCKET_TIMEOUT, DEFAULT_TICK
+from ..engine import timing
+from ..engine.lock import Lock
+from ..engine.server import LockServer
+from ..engine.timing import DEFAULT_SOCKET_TIMEOUT, DEFAULT_TICK
+from ..exceptions import LockBackendUnavailable, LockError
 from .wheel import TimerWheel
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_singleton_lock.watchdog")  # pinned: the name users filter on
 
 OnLost = Callable[[Lock, str], None]
 

@@ -3,8 +3,8 @@
 A :class:`Lock` is what an execution holds; :class:`Holder` says who holds a
 key we did not get; :class:`Released` says what a release did, including the
 waiters the key was handed to (:class:`Handoff`). The operations themselves
-are :class:`~celery_singleton_lock.server.LockServer`'s, and the keys and the
-Lua behind them are described in :mod:`celery_singleton_lock.scripts`.
+are :class:`~celery_singleton_lock.engine.server.LockServer`'s, and the keys and the
+Lua behind them are described in :mod:`celery_singleton_lock.engine.scripts`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from ..exceptions import LockLost
 from . import notify, timing
-from .exceptions import LockLost
 
 if TYPE_CHECKING:
     from .server import LockServer
@@ -125,7 +125,7 @@ class Lock:
 
     ``lost`` is the truth at the moment it is read: True once the watchdog
     learnt the lock is gone, and also as soon as the local clock passes the
-    lock's deadline (see :mod:`celery_singleton_lock.timing`) without a
+    lock's deadline (see :mod:`celery_singleton_lock.engine.timing`) without a
     confirmed renewal. Code about to do something that must be exclusive calls
     :meth:`ensure`, and hands :attr:`fencing_token` to any store that can reject
     writes from an older holder. Every loss, however it is found, is logged at
@@ -153,7 +153,7 @@ class Lock:
     last_error: str | None = None
     """The last renewal error since the last confirmed renewal (for the loss reason)."""
     depth: int = 1
-    """How many nested holds of its thread share this handle (see :mod:`~celery_singleton_lock.reentry`):
+    """How many nested holds of its thread share this handle (see :mod:`~celery_singleton_lock.engine.reentry`):
     1 for the outermost; only the outermost exit releases."""
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Reading the locks a Redis holds, for operators: what a key means, one row per lock, and the table.
 
 Pure functions of what Redis answered (the layout is described in
-:mod:`celery_singleton_lock.scripts`); ``cli.py`` does the reading and the printing.
+:mod:`celery_singleton_lock.engine.scripts`); ``cli.py`` does the reading and the printing.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from .lock import Holder
+from ..engine.lock import Holder
 
 _COMPANIONS = re.compile(r"^(?P<lock>.+:\{[^{}]+\}):(?:q|w|d|g|d:.*|wake:.*)$")
 _LOCK = re.compile(r"^(?P<task>[^{}]+):\{[^{}]+\}$")

@@ -111,7 +111,7 @@ class LockEvents:
         """Connect to every signal in ``celery_singleton_lock.signals`` (so new ones are recorded too)."""
         if self._receivers:
             return
-        from . import signals
+        from .. import signals
 
         for name in signals.__all__:
             signal = getattr(signals, name)
@@ -135,7 +135,7 @@ class LockEvents:
 
     @property
     def signal_names(self) -> list[str]:
-        from . import signals
+        from .. import signals
 
         return list(signals.__all__)
 
