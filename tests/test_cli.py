@@ -223,7 +223,9 @@ def test_list_scans_in_batches_and_skips_what_is_not_a_lock(redis_server, worker
         pipe.set(key, f"tok{i} 1700000000000000 {meta}", px=60_000)
     first = worker_app.hold.lock_key_for(["bulk-0", 1])
     pipe.rpush(first + ":q", "e1")
-    pipe.hset(first + ":w", "e1", "tp\n0\n1000\nowner\n")
+    # a deadline far ahead: a sweeper thread left in this process by an earlier test watches the
+    # same index, and would time out a waiter whose deadline has passed (seen as a flake)
+    pipe.hset(first + ":w", "e1", "tp\n9999999999999\n1000\nowner\n")
     pipe.zadd(first + ":d", {"someone": 1})
     pipe.rpush(first + ":wake:e1", "1")
     pipe.zadd("singleton_lock:{waiting}", {first: 1})

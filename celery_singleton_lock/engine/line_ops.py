@@ -1,16 +1,20 @@
-"""Taking a task out of a waiting line: what a revoke and ``celery locks drop`` do to Redis.
+"""Operators' changes to a lock and its line: what a revoke, ``celery locks drop`` and
+``celery locks release`` do to Redis.
 
 A parked task has no message in any worker, so nothing in Celery can take it
 out of the line by itself: :func:`remove` does, in one script on the key's
 slot (every record of that task id goes; if the key was reserved for it, the
 key passes to the next waiter at once, as a release would), and
 :func:`remove_everywhere` looks for the task id in every line that has
-waiters (the sweeper's index: one round trip per such key). Engine code: it
-knows nothing of Celery; :mod:`celery_singleton_lock.revoke` and
-:mod:`celery_singleton_lock.ops.cli_line` call it.
+waiters (the sweeper's index: one round trip per such key).
+:func:`force_release` deletes a lock whoever holds it and hands the key to the
+next waiter, in one script. Engine code: it knows nothing of Celery;
+:mod:`celery_singleton_lock.revoke` and :mod:`celery_singleton_lock.ops` call it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
@@ -68,3 +72,25 @@ def remove_everywhere(server: LockServer, index: str, owner_id: str) -> list[str
         if removed:
             left.append(key)
     return left
+
+
+@dataclass(frozen=True)
+class ForceReleased:
+    """What :func:`force_release` did: ``status`` 1 released (``value`` is what the key held), 0 no
+    lock, -1 not released because the key changed hands since ``expected`` was read;
+    ``handoffs`` the waiters the key passed to, already sent through ``server.dispatch``."""
+
+    status: int
+    value: bytes
+    handoffs: tuple[Handoff, ...]
+
+
+def force_release(server: LockServer, key: str, expected: str = "") -> ForceReleased:
+    """Delete ``key``'s lock whoever holds it (only if it still starts with ``expected``, when
+    given: the holder an operator was shown), and hand the key on as a release would.
+    Raises the server's LockError when Redis cannot be reached."""
+    reply = server.run(scripts.FORCE_RELEASE, server.keys_for(key), (expected,))
+    status, value = int(reply[0]), reply[1]
+    handoffs = tuple(Handoff.parse(key, item) for item in reply[2:]) if status != -1 else ()
+    server.dispatch(handoffs)  # publishes the waiting task the key was handed to
+    return ForceReleased(status, value if isinstance(value, bytes) else str(value or "").encode(), handoffs)

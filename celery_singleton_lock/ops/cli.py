@@ -37,8 +37,8 @@ import click
 from redis.exceptions import RedisError
 
 from .. import handoff
-from ..engine import scripts
-from ..engine.lock import Handoff, redact_url
+from ..engine import line_ops
+from ..engine.lock import redact_url
 from ..engine.server import LockServer
 from ..exceptions import LockError, LockKeyError
 from ..task import LockedTask
@@ -399,17 +399,15 @@ def release(ctx: click.Context, key: str, yes: bool) -> None:
         handoff.register(task_obj)
     target.server.send_handoff = handoff.SEND
     try:
-        reply = target.server.run(scripts.FORCE_RELEASE, target.server.keys_for(key), (expected,))
+        done = line_ops.force_release(target.server, key, expected)
     except LockError as exc:
         fail(str(exc))
-    status, value = int(reply[0]), reply[1]
+    status, value, handoffs = done.status, done.value, done.handoffs
     if status == -1:
         now = _read_one(target, key, task)
         click.echo(f"lock {key} changed hands since it was shown ({describe(now) if now else 'now free'}): "
                    "nothing released")
         ctx.exit(1)
-    handoffs = tuple(Handoff.parse(key, item) for item in reply[2:])
-    target.server.dispatch(handoffs)  # publishes the waiting task the key was handed to
     passed = "".join(
         f"; the key was handed to waiting {KINDS.get(h.kind, h.kind)} {h.owner_id}" if h.what == "run"
         else f"; waiting {KINDS.get(h.kind, h.kind)} {h.owner_id} had waited too long (it fails)"

@@ -54,8 +54,7 @@ from celery.worker.control import inspect_command
 
 from ..engine import timing
 from ..signals import lock_acquired, lock_lost, lock_released
-from ..watchdog import renewer as _watchdog_module
-from ..watchdog.renewer import Watchdog
+from ..watchdog.renewer import Watchdog, current_watchdog
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -74,41 +73,42 @@ _main_pid: int | None = None
 def watchdog_snapshot(wd: Watchdog) -> dict[str, Any]:
     """What this watchdog renews right now and how its rounds go (``celery inspect locks``).
 
-    Read-only, taken under the condition, so every figure is of one instant.
+    Read-only, through the watchdog's public reads: the locks it renews and the failing servers
+    are of one instant (:meth:`Watchdog.tracked_now`), its counters of a moment later.
     Times are relative to now (``confirmed_ago``: seconds since the send time
     of the last confirmed acquire or renewal; ``deadline_in``: seconds until
     the watchdog would declare the lock lost), because monotonic instants mean
     nothing to another process. Holds no token: the snapshot may be shown to
     anyone who can inspect the worker.
     """
-    with wd._cond:
-        now = time.monotonic()
-        locks = [
-            {
-                "key": lock.key,
-                "task_id": lock.owner_id,
-                "fencing_token": lock.fencing_token,
-                "ttl": lock.ttl,
-                "confirmed_ago": round(now - lock.confirmed_at, 3),
-                "deadline_in": round(lock.deadline - now, 3),
-                "last_error": lock.last_error,
-                "server": lock.server.url,
-            }
-            for lock in wd._tracked
-        ]
-        return {
-            "pid": wd.pid,
-            "alive": wd.alive,
-            "tick": wd.tick,
-            "tracked": len(wd._tracked),
-            "rounds": wd.rounds,
-            "batches": wd.batches,
-            "last_round_ms": round(wd.last_round_seconds * 1000, 3),
-            "failed_rounds": wd.failed_rounds,
-            "losses": wd.losses,
-            "failing_servers": sorted(server.url for server in wd._failing),
-            "locks": sorted(locks, key=lambda item: item["key"]),
+    tracked, failing = wd.tracked_now()
+    now = time.monotonic()
+    locks = [
+        {
+            "key": lock.key,
+            "task_id": lock.owner_id,
+            "fencing_token": lock.fencing_token,
+            "ttl": lock.ttl,
+            "confirmed_ago": round(now - lock.confirmed_at, 3),
+            "deadline_in": round(lock.deadline - now, 3),
+            "last_error": lock.last_error,
+            "server": lock.server.url,
         }
+        for lock in tracked
+    ]
+    return {
+        "pid": wd.pid,
+        "alive": wd.alive,
+        "tick": wd.tick,
+        "tracked": len(tracked),
+        "rounds": wd.rounds,
+        "batches": wd.batches,
+        "last_round_ms": round(wd.last_round_seconds * 1000, 3),
+        "failed_rounds": wd.failed_rounds,
+        "losses": wd.losses,
+        "failing_servers": failing,
+        "locks": sorted(locks, key=lambda item: item["key"]),
+    }
 
 
 
@@ -119,8 +119,8 @@ def process_snapshot() -> dict[str, Any]:
     app's ``singleton_lock_watchdog_*`` options; one created here would have
     the defaults, and every later task would be told its options are ignored.
     """
-    wd = _watchdog_module._watchdog  # the process's one, if any (get_watchdog() would create it)
-    if wd is not None and wd.pid == os.getpid():
+    wd = current_watchdog()  # the process's one, if any (get_watchdog() would create it)
+    if wd is not None:
         return watchdog_snapshot(wd)
     return empty_snapshot(os.getpid())
 
@@ -265,7 +265,7 @@ class SnapshotWriter:
 
 def _tick() -> float:
     """The process watchdog's tick (the default before it exists)."""
-    wd = _watchdog_module._watchdog
+    wd = current_watchdog()
     return wd.tick if wd is not None else timing.DEFAULT_TICK
 
 

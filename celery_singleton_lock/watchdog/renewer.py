@@ -129,6 +129,12 @@ class Watchdog:
 
     # -- the API the task side uses -------------------------------------------
 
+    def tracked_now(self) -> tuple[list[Lock], list[str]]:
+        """The locks it renews and the URLs of the servers failing now, read at one instant (for
+        ``celery inspect locks``: readers never touch the condition or the sets themselves)."""
+        with self._cond:
+            return list(self._tracked), sorted(server.url for server in self._failing)
+
     def track(self, lock: Lock, on_lost: OnLost | None = None) -> None:
         """Renew ``lock`` from now on, until :meth:`forget`.
 
@@ -402,6 +408,12 @@ class Watchdog:
 _lock = threading.Lock()
 _watchdog: Watchdog | None = None
 _conflicts_warned: set[tuple[tuple[str, float | int], ...]] = set()
+
+
+def current_watchdog() -> Watchdog | None:
+    """This process's watchdog if one was created here (never creates it, unlike get_watchdog)."""
+    wd = _watchdog
+    return wd if wd is not None and wd.pid == os.getpid() else None
 
 
 def get_watchdog(**options: float | int) -> Watchdog:
