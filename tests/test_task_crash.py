@@ -174,8 +174,9 @@ def test_redelivery_after_the_whole_worker_died_runs_once_the_lock_expired(crash
     assert [e["id"] for e in starts] == [holder.id, holder.id]  # ran once more, not twice
     assert starts[1]["at"] >= expires_at - 0.25  # only after the dead holder's lock expired
     # handed the key by a sweeper soon after: its next look (interval, jittered), or, if another
-    # process's sweeper had just leased the key, once that lease ends; plus a few seconds of slack
-    assert starts[1]["at"] <= expires_at + SWEEP_INTERVAL * 1.25 + SWEEP_LEASE + 5
+    # process's sweeper had just leased the key, once that lease ends; plus slack for a loaded
+    # machine (the suite runs in three pytest processes on two cores: 16 s was seen once)
+    assert starts[1]["at"] <= expires_at + SWEEP_INTERVAL * 1.25 + SWEEP_LEASE + 20
     assert starts[1]["fence"] > starts[0]["fence"]
     wait_until(lambda: not locks.exists(key, key + ":q", key + ":w"), 15, what="the copy's release")
     assert len([e for e in journal(wa, k) if e["event"] == "start"]) == 2
