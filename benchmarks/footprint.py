@@ -33,9 +33,10 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 
-VARIANTS = ("ours", "ours_late", "celery-once", "celery-singleton", "cookbook")
+VARIANTS = ("ours", "ours_late", "ours_quorum", "celery-once", "celery-singleton", "cookbook")
 LABELS = {
     "ours": "ours (early ack, Celery's default)",
+    "ours_quorum": "ours, quorum of 3 masters (early ack; the busiest member)",
     "ours_late": "ours (acks_late)",
     "celery-once": "celery-once (QueueOnce)",
     "celery-singleton": "celery-singleton (Singleton)",
@@ -44,15 +45,33 @@ LABELS = {
 EXPIRY = {
     "ours": "lock PX 30 s (lock_ttl), deleted at release",
     "ours_late": "lock PX 30 s; done record kept for the redelivery window",
+    "ours_quorum": "lock PX 30 s on each member, deleted at release; fencing floor PX 60 s",
     "celery-once": "SET NX PX 3600 s (default_timeout), DEL after the task",
     "celery-singleton": "SET NX, no expiry, DEL on success",
     "cookbook": "SET NX EX 60 s, token-checked DEL",
 }
 SAMPLE = 200
+QUORUM = 3
+"""Members of the quorum variant (each a redis-server of its own; each looked at, the busiest shown)."""
 
 
-def snapshot(client: Any) -> dict[str, Any]:
-    """Memory and keys of one lock server now."""
+class _Members:
+    """The lock server(s) of one variant: one, or a quorum's members, looked at as the busiest of them."""
+
+    def __init__(self, clients: list[Any]) -> None:
+        self.clients = clients
+
+    def busiest(self) -> Any:
+        return max(self.clients, key=lambda c: int(c.dbsize()))
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+def snapshot(members: _Members) -> dict[str, Any]:
+    """Memory and keys of one lock server now (of a quorum: the member with the most keys)."""
+    client = members.busiest()
     info = client.info("memory")
     keys = int(client.dbsize())
     names: list[bytes] = []
@@ -103,15 +122,16 @@ class Footprint:
 
         self.broker = RedisServer().start()
         for v in self.variants:
-            self.servers[v] = RedisServer()
-            self.servers[v].start()
+            self.servers[v] = [RedisServer().start() for _ in range(QUORUM if v == "ours_quorum" else 1)]
         for i, v in enumerate(self.variants):
-            server = self.servers[v]
-            env = {"BENCH_BROKER_URL": self.broker.url(i), "BENCH_LOCK_URL": server.url(0),
+            members = self.servers[v]
+            env = {"BENCH_BROKER_URL": self.broker.url(i), "BENCH_LOCK_URL": members[0].url(0),
                    "BENCH_REDELIVERY_WINDOW": str(self.window)}
             if not v.startswith("ours"):  # the worker app has our tasks too: their sweeper goes elsewhere
                 env["BENCH_OURS_LOCK_URL"] = self.broker.url(15)
-            probe = server.client()
+            if len(members) > 1:  # ours on a quorum: every member in the URL
+                env["BENCH_OURS_LOCK_URL"] = ";".join(m.url(0) for m in members)
+            probe = _Members([m.client() for m in members])
             self.results[v] = {"variant": v, "n": self.n, "expiry": EXPIRY.get(v, ""),
                                "baseline": snapshot(probe), "snapshots": []}
             self.results[v]["_probe"] = probe
@@ -193,8 +213,9 @@ class Footprint:
             if probe is not None:
                 probe.close()
             res.pop("_env", None)
-        for server in self.servers.values():
-            server.__exit__()
+        for members in self.servers.values():
+            for server in members:
+                server.__exit__()
         if self.broker is not None:
             self.broker.__exit__()
         return {"n": self.n, "waits": self.waits, "window": self.window, "variants": self.results}
@@ -204,7 +225,7 @@ def publish(args: argparse.Namespace) -> None:
     """The publishing side of one variant: its N tasks, as fast as apply_async goes."""
     import bench_app
 
-    task = bench_app.ours_late if args.variant == "ours_late" else bench_app.VARIANTS[args.variant]
+    task = bench_app.ours_late if args.variant == "ours_late" else bench_app.VARIANTS[args.variant.split("_")[0]]
     t0 = time.monotonic()
     for seq in range(1, args.n + 1):
         task.apply_async((seq,))

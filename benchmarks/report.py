@@ -621,13 +621,22 @@ def render_quorum(q: dict[str, Any]) -> str:
     rows = [[name, f"{r['acquire_p50_us']:,.0f}", f"{r['acquire_p99_us']:,.0f}", f"{r['release_p50_us']:,.0f}",
              f"{r['release_p99_us']:,.0f}", f"{r['both_p50_us']:,.0f}"] for name, r in q["setups"].items()]
     single = q["setups"].get("single", {}).get("both_p50_us")
-    ratio = "; ".join(f"{name}: {r['both_p50_us'] / single:.1f}x the single server"
-                      for name, r in q["setups"].items() if single and name != "single")
+    goals = {"quorum N=3": 1.5, "quorum N=5": 2.0}  # issue 18
+
+    def verdict(name: str, r: dict[str, Any]) -> str:
+        ratio = r["both_p50_us"] / single
+        goal = goals.get(name)
+        met = "" if goal is None else f" (goal ≤ {goal:g}x: {'met' if ratio <= goal else 'NOT met'})"
+        return f"{name}: {ratio:.2f}x the single server{met}"
+
+    ratio = "; ".join(verdict(name, r) for name, r in q["setups"].items() if single and name != "single")
     return (
         f"**Quorum mode** (µs of wall time in one client process, {q['n']:,} acquire + release pairs per setup, "
-        "interleaved; each server a private redis-server on this machine. A quorum acquire is two fan-outs to "
-        "every member at once (take the lock, then write the fencing token back to the granting majority), each "
-        "decided as soon as a majority answered; a release is one fan-out)\n\n"
+        "interleaved; each server a private redis-server on this machine. Every operation goes to all members "
+        "at once on one pipelined connection per member (no thread), and is decided as soon as a majority "
+        "answered. An acquire is one fan-out when the members agree on the fencing token (they answer the "
+        "client's proposal, kept within a second of their clocks, and keep it as their floor); only where they "
+        "disagree is the token written back in a second fan-out. A release is one fan-out)\n\n"
         + _table(["setup", "acquire p50", "acquire p99", "release p50", "release p99", "both p50"], rows)
         + (f"\n\n{ratio}." if ratio else "")
     )

@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"  cluster watchdog: {sc['held']:,} of {sc['n']:,} held; {sc['round_trips_per_period']:.1f} round trips "
             f"per period (bound {sc['bound']}); {sc['cpu_core'] * 100:.1f}% of a core")
 
-        fp_variants = ["ours", "ours_late", *[v for v in report.PEERS if v in variants]]
+        fp_variants = ["ours", "ours_late", "ours_quorum", *[v for v in report.PEERS if v in variants]]
         waits = ", ".join(f"{w:g} s" for w in p["fp_waits"]) or "no wait"
         say(f"5. footprint: {p['fp_n']:,} tasks on distinct keys per variant, all at once, each on its own "
             f"lock server (looks: at once, {waits}; redelivery window {p['fp_window']:g} s)")

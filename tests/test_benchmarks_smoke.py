@@ -72,6 +72,9 @@ def test_benchmarks_smoke_run(tmp_path: Path) -> None:
     assert fp["ours"]["snapshots"][0]["keys"] <= 1  # at most the sweeper's epoch key
     assert fp["ours_late"]["snapshots"][0]["keys"] >= n  # one done record per acks_late task, for the window
     assert fp["cookbook"]["snapshots"][0]["keys"] == 0
+    # a quorum of 3: each member keeps its SINCE key, and the fencing floors for 60 s
+    assert "error" not in fp["ours_quorum"] and fp["ours_quorum"]["completed"] == n
+    assert 1 <= fp["ours_quorum"]["snapshots"][0]["keys"] <= n + 1
 
     # the smoke run never overwrites the committed results
     assert before == {p: p.stat().st_mtime for p in (ROOT / "benchmarks").glob("RESULTS.md")}

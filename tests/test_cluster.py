@@ -240,3 +240,53 @@ def test_parks_lost_with_a_shard_are_sent_again_though_the_index_epoch_did_not_c
     finally:
         sweeper.stop()
         server.send_handoff = before
+
+
+def test_celery_locks_list_show_and_release_see_every_master(cluster, server, redis_server):
+    """(issue 18) A SCAN of one node sees only its keys: ``celery locks`` scans every master, and
+    reads and releases each key on the master of its slot."""
+    import json
+
+    from celery.bin.base import CLIContext
+    from click.testing import CliRunner
+
+    from celery_singleton_lock import LockedTask
+    from celery_singleton_lock.ops.cli import locks
+
+    app = make_app(redis_server, singleton_lock_prefix=f"ops{uuid.uuid4().hex[:6]}")
+    app.conf.singleton_lock_url = cluster.url()
+
+    @app.task(base=LockedTask, shared=False, name="t.cluster_job")
+    def job(n):
+        return n
+
+    keys: dict[int, str] = {}  # master port -> a key on it
+    args: dict[str, int] = {}
+    for n in range(200):
+        key = job.lock_key_for([n])
+        if cluster.node_for_key(key).port not in keys:
+            keys[cluster.node_for_key(key).port] = key
+            args[key] = n
+        if len(keys) == 3:
+            break
+    assert len(keys) == 3  # one key on each master
+    held_locks = [server.acquire(key, 30.0, owner_id=f"owner-{port}") for port, key in keys.items()]
+    assert all(isinstance(lk, Lock) for lk in held_locks)
+    runner = CliRunner()
+    obj = CLIContext(app=app, no_color=True, workdir=None)
+    out = runner.invoke(locks, ["list", "--json"], obj=obj)
+    assert out.exit_code == 0, out.output
+    assert {row["key"] for row in json.loads(out.output)} == set(keys.values())
+    for port, key in keys.items():
+        out = runner.invoke(locks, ["show", key], obj=obj)
+        assert out.exit_code == 0 and f"held by task owner-{port}" in out.output, out.output
+        out = runner.invoke(locks, ["key", "t.cluster_job", "--args", json.dumps([args[key]])], obj=obj)
+        assert out.exit_code == 0 and f"held by task owner-{port}" in out.output, out.output
+    for key in keys.values():
+        out = runner.invoke(locks, ["release", key, "--yes"], obj=obj)
+        assert out.exit_code == 0 and "force-released" in out.output, out.output
+        assert server.holder(key) is None
+    out = runner.invoke(locks, ["list"], obj=obj)
+    assert out.exit_code == 0 and "no locks held" in out.output
+    for lk in held_locks:
+        assert lk.renew() is False

@@ -420,10 +420,14 @@ Q_ACQUIRE = """
 -- an earlier attempt whose reply was lost ('' none): its lock is taken back under ARGV[1].
 -- KEYS[5] this attempt's tombstone (Q_RELEASE), ARGV[7] ms since 1970 after which this attempt
 -- is too late to take anything (a member that was stopped or slow runs it long after it was sent).
+-- ARGV[8] the client's proposed fence (its clock in microseconds), ARGV[9] how far (microseconds)
+-- it may be from this server's clock, ARGV[10] ms to keep the floor.
 -- Returns {1, fence} taken (our own token: taken back), {4, fence} taken by a server whose data
 -- is younger than the ttl (it may have lost a lock it granted before: its vote alone is not
 -- trusted), {0, value, pttl} held, {2} already succeeded, {3} too late: released or past ARGV[7].
--- The fence is max(this server's clock in microseconds, its floor + 1).
+-- The fence is the client's proposal, kept within ARGV[9] of this server's clock, and above its
+-- floor; the floor rises to it here. Members that agree answer the same fence, and each already
+-- keeps it as its floor: then no second round trip writes it back (see Q_FENCE).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if redis.call('EXISTS', KEYS[5]) == 1 or now > tonumber(ARGV[7]) then return {3} end
@@ -453,7 +457,10 @@ if held then
   return {0, held, redis.call('PTTL', KEYS[1])}
 end
 local floor = tonumber(redis.call('GET', KEYS[2]) or '0')
-local fence = string.format('%.0f', math.max(tonumber(t[1]) * 1000000 + tonumber(t[2]), floor + 1))
+local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local near = math.min(math.max(tonumber(ARGV[8]), clock - tonumber(ARGV[9])), clock + tonumber(ARGV[9]))
+local fence = string.format('%.0f', math.max(near, floor + 1))
+redis.call('SET', KEYS[2], fence, 'PX', ARGV[10])
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3])
 return {taken, fence}
 """

@@ -43,7 +43,9 @@ from ..engine.server import LockServer
 from ..exceptions import LockError, LockKeyError
 from ..task import LockedTask
 from ..topologies import servers
+from ..topologies.quorum import QuorumLockServer
 from ..topologies.urls import lock_source, transport_options
+from .nodes import Node, member_states, node_of_key, nodes_of, verdict
 from .survey import (
     KINDS,
     STATES,
@@ -85,11 +87,16 @@ class Target:
     url: str
     prefixes: tuple[str, ...]
     tasks: dict[str, LockedTask]
+    nodes: list[Node]
+    """Every server to read (each master of a Cluster, each member of a quorum: see nodes.py)."""
+    majority: int = 0
+    """A quorum's majority (its verdict decides whether a key is held); 0 for any other topology."""
 
-    def run(self, what: Any) -> Any:
-        """Run ``what(client)``, turning Redis errors into one-line errors (exit status 2)."""
+    def run(self, what: Any, client: Any = None) -> Any:
+        """Run ``what(client)`` (the lock server's own client by default), turning Redis errors into
+        one-line errors (exit status 2)."""
         try:
-            return what(self.server.client)
+            return what(client if client is not None else self.server.client)
         except RedisError as exc:
             fail(str(self.server.error(exc, "")))
         except LockError as exc:
@@ -135,18 +142,29 @@ def open_target(ctx: click.Context) -> Target:
         server = servers.from_settings(url, transport_options=transport, redis_options=options)
     except (ValueError, TypeError) as exc:
         fail(f"cannot use the lock Redis URL {redact_url(url)}: {exc}")
-    return Target(app, server, server.url, tuple(sorted(prefixes)), tasks)
+    nodes, majority = nodes_of(server)
+    return Target(app, server, server.url, tuple(sorted(prefixes)), tasks, nodes, majority)
 
 
-def scan(target: Target, task: str | None = None, count: int = SCAN_COUNT) -> Iterator[list[tuple[str, str]]]:
-    """Batches of (lock key, task name), by SCAN under each prefix: never KEYS, never a long call."""
+def scan(target: Target, task: str | None = None,
+         count: int = SCAN_COUNT) -> Iterator[tuple[Node, list[tuple[str, str]]]]:
+    """Batches of (lock key, task name) and the node they are on, by SCAN under each prefix on every
+    node: never KEYS, never a long call. A key found on several quorum members comes once."""
     seen: set[str] = set()
+    for node in target.nodes:
+        for batch in _scan_node(target, node, task, count, seen):
+            yield node, batch
+
+
+def _scan_node(target: Target, node: Node, task: str | None, count: int,
+               seen: set[str]) -> Iterator[list[tuple[str, str]]]:
     tail = f"{glob_escape(task)}:*" if task else "*"
     for prefix in target.prefixes:
         pattern = f"{glob_escape(prefix)}:{tail}"
         cursor = 0
         while True:
-            cursor, found = target.run(lambda c, cur=cursor, pat=pattern: c.scan(cur, match=pat, count=count))
+            cursor, found = target.run(lambda c, cur=cursor, pat=pattern: c.scan(cur, match=pat, count=count),
+                                       node.client)
             batch = []
             for raw in found:
                 key = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
@@ -165,8 +183,10 @@ def scan(target: Target, task: str | None = None, count: int = SCAN_COUNT) -> It
                 break
 
 
-def read_batch(target: Target, batch: list[tuple[str, str]]) -> tuple[int, list[tuple[str, str, bytes, int, int]]]:
-    """One pipelined round trip: TIME, then GET, PTTL and LLEN of the line, of each key.
+def read_batch(target: Target, batch: list[tuple[str, str]],
+               client: Any = None) -> tuple[int, list[tuple[str, str, bytes, int, int]]]:
+    """One pipelined round trip (on ``client``: a node's; else the lock server's): TIME, then GET, PTTL
+    and LLEN of the line, of each key.
 
     Returns the server clock (microseconds) and (key, task, value, pttl, waiters) of the keys
     still held (a key released since the SCAN, or not a string, is left out).
@@ -181,7 +201,7 @@ def read_batch(target: Target, batch: list[tuple[str, str]]) -> tuple[int, list[
             pipe.llen(key + ":q")
         return list(pipe.execute(raise_on_error=False))
 
-    replies = target.run(read)
+    replies = target.run(read, client)
     if isinstance(replies[0], Exception):
         fail(str(target.server.error(replies[0], batch[0][0])))
     now_us = replies[0][0] * 1_000_000 + replies[0][1]
@@ -195,10 +215,44 @@ def read_batch(target: Target, batch: list[tuple[str, str]]) -> tuple[int, list[
     return now_us, out
 
 
-def read_locks(target: Target, batch: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """The batch's held locks, as rows."""
-    now_us, found = read_batch(target, batch)
+def read_locks(target: Target, batch: list[tuple[str, str]], client: Any = None) -> list[dict[str, Any]]:
+    """The batch's held locks, as rows (of a quorum: every member read, see :func:`read_quorum`)."""
+    if target.majority:
+        return read_quorum(target, batch)
+    now_us, found = read_batch(target, batch, client)
     return [lock_row(key, name, value, pttl, waiters, now_us) for key, name, value, pttl, waiters in found]
+
+
+def read_quorum(target: Target, batch: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The batch's locks on a quorum: one pipelined read per member, then one row per key that any
+    member holds, with ``members`` (label -> the token it holds, None, or why it did not answer),
+    ``held_on`` and ``held`` (the majority's verdict, as the workers decide it)."""
+    seen: dict[str, dict[str, Any]] = {key: {} for key, _ in batch}
+    found: dict[str, tuple[str, bytes, int, int, int]] = {}
+    for node in target.nodes:
+        try:
+            now_us, rows = read_batch(target, batch, node.client)
+        except CliError as exc:
+            for key in seen:
+                seen[key][node.label] = exc
+            continue
+        held = {key: (name, value, pttl, waiters) for key, name, value, pttl, waiters in rows}
+        for key, _ in batch:
+            seen[key][node.label] = held[key][1] if key in held else None
+            if key in held:
+                found.setdefault(key, (*held[key], now_us))
+    if all(isinstance(v, Exception) for values in seen.values() for v in values.values()):
+        fail(f"no member of {target.url} answered")
+    out = []
+    for key, name in batch:
+        value, count = verdict(seen[key], target.majority)
+        if value is None:
+            continue
+        _, _, pttl, waiters, now_us = found[key]
+        row = lock_row(key, name, value, pttl, waiters, now_us)
+        row.update(held=count >= target.majority, held_on=count, members=member_states(seen[key]))
+        out.append(row)
+    return out
 
 
 @click.group(name="locks")
@@ -222,13 +276,13 @@ def list_locks(ctx: click.Context, task_name: str | None, as_json: bool, count: 
     """One line per held lock: key, task, holder, host, pid, held for, expires in, fencing token, waiters."""
     target = open_target(ctx)
     rows: list[dict[str, Any]] = []
-    for batch in scan(target, task_name, count):
-        rows.extend(read_locks(target, batch))
+    for node, batch in scan(target, task_name, count):
+        rows.extend(read_locks(target, batch, node.client))
     rows.sort(key=lambda row: row["key"])
     if as_json:
         click.echo(to_json(rows))
     elif rows:
-        click.echo(table(rows))
+        click.echo(table(rows, len(target.nodes) if target.majority else 0))
     else:
         where = ", ".join(f"{p}:*" for p in target.prefixes)
         click.echo(f"no locks held{f' by task {task_name}' if task_name else ''} ({where} on {target.url})")
@@ -278,10 +332,13 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         pipe.zrange(key + ":d", 0, -1, withscores=True)
         return list(pipe.execute())
 
-    (secs, micros), value, pttl, entries, records, done = target.run(read)
+    (secs, micros), value, pttl, entries, records, done = target.run(read, node_of_key(target.server, key).client)
     now_us = secs * 1_000_000 + micros
     now_ms = now_us // 1000
     row = lock_row(key, task, value, pttl, len(entries), now_us) if value is not None else None
+    if target.majority:  # a quorum: every member read, and the majority's verdict
+        row = _read_one(target, key, task)
+        value = None if row is None else value
     waiting = _line(target, key, now_ms, records, entries)
     remembered = [{"task_id": owner.decode(), "remembered_ms": int(until) - now_ms} for owner, until in done]
     if as_json:
@@ -296,6 +353,8 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         click.echo(f"state     {describe(row) if row else 'free: nobody holds it'}")
         if value is not None:
             click.echo(f"value     {value.decode('utf-8', 'replace')}")
+        for label, token in (row or {}).get("members", {}).items():
+            click.echo(f"member    {label}: {'free' if token is None else token}")
         click.echo(f"line      {len(entries)} waiting" + (":" if waiting else ""))
         for n, item in enumerate(waiting, 1):
             call = ""
@@ -308,7 +367,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         for item in remembered:
             click.echo(f"  {item['task_id']} succeeded: its redeliveries are dropped for "
                        f"{duration(item['remembered_ms'])} more")
-    ctx.exit(0 if row is not None else 1)
+    ctx.exit(0 if row is not None and row.get("held", True) else 1)
 
 
 @locks.command(name="key")
@@ -354,8 +413,9 @@ def _json_arg(option: str, text: str, kind: type) -> Any:
 
 
 def _read_one(target: Target, key: str, task: str) -> dict[str, Any] | None:
-    """The lock ``key`` now, as a row (None when nobody holds it)."""
-    rows = read_locks(target, [(key, task)])
+    """The lock ``key`` now, as a row (None when nobody holds it; on a quorum, a row also when only
+    a minority holds it, with ``held`` False)."""
+    rows = read_locks(target, [(key, task)], node_of_key(target.server, key).client)
     return rows[0] if rows else None
 
 
@@ -381,7 +441,10 @@ def release(ctx: click.Context, key: str, yes: bool) -> None:
     """
     target = open_target(ctx)
     task = target.task_of(key)
-    now_us, found = read_batch(target, [(key, task)])
+    if isinstance(target.server, QuorumLockServer):
+        _release_on_quorum(ctx, target, target.server, key, task, yes)
+        return
+    now_us, found = read_batch(target, [(key, task)], node_of_key(target.server, key).client)
     if not found:
         click.echo(f"no lock {key}: nothing released")
         ctx.exit(1)
@@ -423,6 +486,34 @@ def release(ctx: click.Context, key: str, yes: bool) -> None:
         holder = (f"held by task {was['task_id']} on host {was['host']} (pid {was['pid']}) for "
                   f"{duration(was['held_ms'])}, fencing token {was['fencing_token']}")
     line = f"lock {key} force-released by {who_am_i()}: it was {holder}{passed}"
+    audit(line)
+    click.echo(line)
+
+
+def _release_on_quorum(ctx: click.Context, target: Target, server: QuorumLockServer, key: str, task: str,
+                       yes: bool) -> None:
+    """``release`` on a quorum: the key deleted on every member that has it, whatever the majority says."""
+    row = _read_one(target, key, task)
+    if row is None:
+        click.echo(f"no lock {key} on any member: nothing released")
+        ctx.exit(1)
+    expected = ""
+    if not yes:
+        click.echo(f"lock {key}: {describe(row)}")
+        if not click.confirm("Force-release it? Its holder keeps running, without the lock", default=False):
+            click.echo("not released")
+            ctx.exit(1)
+        tokens = [t for t in row["members"].values() if t and not t.startswith("unreachable")]
+        expected = max(set(tokens), key=tokens.count) + " "  # the holder shown (see verdict)
+    try:
+        status, _value, on = server.force_release(key, expected)
+    except LockError as exc:
+        fail(str(exc))
+    if status != 1:
+        click.echo(f"lock {key} {'changed hands since it was shown' if status == -1 else 'is gone'}: nothing released")
+        ctx.exit(1)
+    line = (f"lock {key} force-released on {on} of {len(server.members)} members by {who_am_i()}: it was "
+            f"{describe(row)}")
     audit(line)
     click.echo(line)
 

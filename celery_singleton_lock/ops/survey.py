@@ -102,23 +102,35 @@ def lock_row(key: str, task: str, value: bytes | str, pttl: int, waiters: int, n
 
 
 def describe(row: dict[str, Any]) -> str:
-    """One sentence about a held lock."""
+    """One sentence about a held lock (on a quorum, with how many members hold it)."""
     if row["reserved"]:
-        return (f"reserved for waiting task {row['task_id']} (being handed the key), expires in "
+        text = (f"reserved for waiting task {row['task_id']} (being handed the key), expires in "
                 f"{expiry(row['ttl_ms'])}; {row['waiters']} waiting")
-    return (f"held by task {row['task_id']} on host {row['host']} (pid {row['pid']}) for {duration(row['held_ms'])}, "
-            f"expires in {expiry(row['ttl_ms'])}, fencing token {row['fencing_token']}; {row['waiters']} waiting")
+    else:
+        text = (f"held by task {row['task_id']} on host {row['host']} (pid {row['pid']}) for "
+                f"{duration(row['held_ms'])}, expires in {expiry(row['ttl_ms'])}, fencing token "
+                f"{row['fencing_token']}; {row['waiters']} waiting")
+    if "members" in row:
+        text += f"; on {members_cell(row, len(row['members']))}"
+    return text
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    header = ("KEY", "TASK", "HOLDER", "HOST", "PID", "HELD", "EXPIRES", "FENCE", "WAITING")
-    lines = [header]
+def members_cell(row: dict[str, Any], of: int) -> str:
+    """``3/5`` on a quorum; ``2/5, no majority: not held`` for a lock a minority still has."""
+    return f"{row['held_on']}/{of}" + ("" if row["held"] else ", no majority: not held")
+
+
+def table(rows: list[dict[str, Any]], members: int = 0) -> str:
+    """The ``list`` table; with ``members`` (a quorum's size) a MEMBERS column: how many hold each key."""
+    header: tuple[str, ...] = ("KEY", "TASK", "HOLDER", "HOST", "PID", "HELD", "EXPIRES", "FENCE", "WAITING")
+    header += ("MEMBERS",) if members else ()
+    lines: list[tuple[str, ...]] = [header]
     for row in rows:
         holder = f"reserved for {row['task_id']}" if row["reserved"] else str(row["task_id"])
         lines.append((
             row["key"], row["task"], holder, str(row["host"] or "-"), str(row["pid"] or "-"),
             duration(row["held_ms"]), expiry(row["ttl_ms"]), str(row["fencing_token"] or "-"), str(row["waiters"]),
-        ))
+        ) + ((members_cell(row, members),) if members else ()))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 

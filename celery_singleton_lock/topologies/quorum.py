@@ -7,31 +7,37 @@ restarted neither blocks nor breaks the lock. :class:`QuorumLockServer` does tha
 the same interface as one Redis (acquire, release, renew_many), so the watchdog and the
 task side use it unchanged:
 
-* every operation goes to all members at once (each member has a thread of its own, so a
-  stopped member cannot hold the others up) and is decided as soon as a majority has
+* every operation goes to all members at once, on one pipelined connection per member and
+  process (:mod:`.fanout`: no thread per member), and is decided as soon as a majority has
   answered either way: about one round trip of wall time, not N;
 * a member still busy with an earlier operation (stopped, or slow) is skipped, so a dead
   minority costs nothing but its vote; but a release (or the give-back of a failed attempt)
-  is queued on every member its acquire may have reached, behind that acquire, and
-  ``Q_RELEASE`` leaves a tombstone where the lock is not (yet): an acquire that runs late on
-  a member that was stopped then takes nothing, so a finished lock never lingers;
+  is written to every member its acquire may have reached, behind that acquire on the same
+  connection, and ``Q_RELEASE`` leaves a tombstone where the lock is not (yet): an acquire that
+  runs late on a member that was stopped then takes nothing, so a finished lock never lingers;
 * a duplicate is refused only on a majority's verdict (:meth:`QuorumLockServer._verdict`);
 * the watchdog renews on every member in each round; a lock no longer confirmed by a
   majority before its deadline is lost, like any other.
 
 **Fencing across majorities.** Martin Kleppmann's critique of Redlock is that it has no
-fencing token: each master has its own clock and counter. Here an acquire takes two
-steps. First each member answers with ``max(its clock in microseconds, its floor + 1)``,
-where the floor ``K:f`` is the highest token written back to it; the token is the
-maximum over the granting majority. Then that token is written back as the floor of the
-granting majority (``Q_FENCE``) before the acquire returns. Any two majorities share a
-member, so the next holder's majority includes a member whose floor is at least the
-previous token, and the next token is strictly greater. This holds as long as that shared
-member kept its floor: a member restarted without persistence must stay out for a while
-(Redlock's "delayed restart"), or its clock must not be behind the others by more than
-the time between two holders. The floor lives for ``FENCE_KEEP`` (7 days): after that,
-members' clocks (microseconds since 1970) are far past any token written before, unless
-they disagree by more than a week.
+fencing token: each master has its own clock and counter. Here the client proposes a token
+(its clock in microseconds) with the acquire; each member answers ``max(the proposal, kept
+within CLOCK_WINDOW of its own clock, its floor + 1)`` and raises its floor ``K:f`` to that
+answer in the same script. The token is the maximum over the granting majority. Where members
+answered less than that (a floor was higher, or a clock disagreed), the token is written back
+as their floor (``Q_FENCE``, a second fan-out) before the acquire returns; when a majority
+answered the token itself, as it does whenever the clocks agree within the window, no second
+round trip is needed. Either way a majority's floors are at least the token when the acquire
+returns. Any two majorities share a member, so the next holder's majority includes a member
+whose floor is at least the previous token, and the next token is strictly greater. This
+holds as long as that shared member kept its floor: a member restarted without persistence
+must stay out for a while (Redlock's "delayed restart", automatic here: see ``SINCE``). The
+floor lives for ``FENCE_KEEP`` (60 s) after it was written: after that, every member's
+answer (at least its clock minus the window) is past any token written before (at most a
+member's clock plus the window), unless the members' clocks disagree by more than 58 s.
+That trade keeps the footprint flat: a floor per key per member for 7 days (as before) meant
+7 million keys per member for a million distinct keys a day; now nothing is left 2 minutes
+after a run but one key per member (``SINCE``).
 
 The waiting line (``on_duplicate="retry"``, ``held(..., wait=...)``) needs one Redis that
 orders its waiters: in quorum mode a duplicate backs off and tries again instead.
@@ -39,23 +45,28 @@ orders its waiters: in quorum mode a duplicate backs off and tries again instead
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import secrets
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ..engine import scripts, wire
 from ..engine.lock import Holder, Lock, Released, Verdict, check_ttl, ms, redact_url, slot_safe
 from ..engine.server import TOKEN_BYTES, LockServer
 from ..exceptions import LockBackendUnavailable, LockError
+from .fanout import PENDING, SKIPPED, MemberPipe, gather
 
 logger = logging.getLogger("celery_singleton_lock")
 
-FENCE_KEEP = 7 * 24 * 3600.0
-"""Seconds a key's fencing floor outlives its last holder on each member."""
+CLOCK_WINDOW = 1.0
+"""Seconds the client's proposed fence may be from a member's clock before the member moves it (see
+the module doc): clocks that agree this well make every member answer the same fence."""
+FENCE_KEEP = 60.0
+"""Seconds a key's fencing floor lives on each member after it was written (see the module doc:
+past it, fencing rests on the members' clocks agreeing within this)."""
 DRIFT = 0.01
 """Clock drift allowed between this host and the members, as a share of the TTL (Redlock's factor)."""
 MEMBER_TIMEOUT = 1.0
@@ -63,36 +74,10 @@ MEMBER_TIMEOUT = 1.0
 LATE = 60.0
 """Seconds past its ttl after which an acquire still on its way to a member takes nothing there (the
 member's clock against this host's; a release's tombstone lives as long, plus a minute of skew)."""
-STUCK_AFTER = 0.1
-"""Seconds a member may take over an operation before the next ones skip it (a stopped member)."""
 SINCE = "celery_singleton_lock:{quorum}:since"
 """On each member: when its data began (its first use since it last started empty). A member whose
 data is younger than a lock's TTL may have lost a lock it granted (Redlock's restarted server): its
 vote alone does not count until a TTL has passed (the automatic form of Redlock's delayed restart)."""
-
-
-class _Member:
-    """One master of the quorum, with a thread of its own (its connections are that thread's)."""
-
-    def __init__(self, server: LockServer) -> None:
-        self.server = server
-        self._pid = os.getpid()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="csl-quorum")
-        self._queued: list[tuple[float, Future[Any]]] = []  # (when submitted, its future), not yet done
-
-    def submit(self, fn: Callable[[LockServer], Any], *, force: bool = False) -> Future[Any] | None:
-        """Run ``fn(server)`` on the member's thread, after what it is running; None when the member
-        seems stuck (its oldest unfinished job was sent more than STUCK_AFTER ago): it is skipped,
-        unless ``force`` (a release that must follow an acquire this member may still run)."""
-        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
-            self._pid, self._pool, self._queued = os.getpid(), ThreadPoolExecutor(max_workers=1), []
-        now = time.monotonic()
-        self._queued = [(t, f) for t, f in self._queued if not f.done()]
-        if self._queued and now - self._queued[0][0] > STUCK_AFTER and not force:
-            return None
-        future = self._pool.submit(fn, self.server)
-        self._queued.append((now, future))
-        return future
 
 
 class QuorumLockServer(LockServer):
@@ -110,9 +95,12 @@ class QuorumLockServer(LockServer):
         if len(members) < 3:
             raise ValueError(f"a quorum needs at least 3 independent Redis servers, got {len(members)}")
         self.members = list(members)
-        self._members = [_Member(m) for m in members]
+        self._pipes = [MemberPipe(m, _SCRIPTS) for m in members]
         self.majority = len(members) // 2 + 1
         self.url = "quorum(" + ", ".join(m.url for m in members) + ")"
+        self.timeout = max(m.client.connection_pool.connection_kwargs.get("socket_timeout") or MEMBER_TIMEOUT
+                           for m in members)
+        """Seconds an operation waits for a majority's answers (the members' socket timeout)."""
         self._twins: dict[float, QuorumLockServer] = {}
         self._reached: dict[str, list[int]] = {}
         """token -> the members its acquire may have taken the key on (its release must reach them)."""
@@ -124,14 +112,19 @@ class QuorumLockServer(LockServer):
         return cls([LockServer.from_url(url, **client_options) for url in urls])
 
     def close(self) -> None:
+        for pipe in self._pipes:
+            pipe.close()
         for m in self.members:
             m.close()
 
     def with_timeout(self, seconds: float) -> LockServer:
+        """A twin that waits ``seconds`` at most for a majority, on the same connections (so a release
+        through it is still written behind the acquire it undoes)."""
         twin = self._twins.get(seconds)
         if twin is None:
-            twin = self._twins[seconds] = QuorumLockServer([m.with_timeout(seconds) for m in self.members])
-            twin._reached = self._reached  # a lock taken here may be released through its twin
+            twin = self._twins[seconds] = copy.copy(self)
+            twin.timeout = seconds
+            twin._twins = {}
         return twin
 
     def error(self, exc: Exception, key: str) -> LockError:
@@ -148,43 +141,28 @@ class QuorumLockServer(LockServer):
 
     # -- fan-out ------------------------------------------------------------------
 
-    def _fan_out(self, fn: Callable[[LockServer], Any], decided: Callable[[list[Any]], bool],
-                 only: Sequence[int] | None = None, force: Collection[int] = ()) -> list[Any]:
-        """Run ``fn`` on every member (or those in ``only``) at once; results in member order.
-        Members in ``force`` get it even if they seem stuck (see :meth:`_Member.submit`).
+    def _fan_out(self, script: str, commands: Sequence[tuple[Sequence[str], Sequence[Any]]],
+                 decided: Callable[[list[Any]], bool], only: Collection[int] | None = None,
+                 force: Collection[int] = ()) -> list[Any]:
+        """Send ``script`` (once per (keys, args) in ``commands``) to every member, or those in ``only``,
+        at once; answers in member order. Members in ``force`` get it even if they seem stuck.
 
-        A result is the member's answer, an exception, or ``_SKIPPED`` (busy, or not asked).
-        Returns as soon as ``decided(results so far)`` holds, every member asked answered, or
-        the members' timeout passed (the rest finish on their own threads).
+        An answer is the member's reply (a list of replies for several commands), an exception, or
+        ``SKIPPED`` (busy, or not asked). Returns as soon as ``decided(answers so far)`` holds, every
+        member asked answered, or :attr:`timeout` passed (later answers are read by the next operation).
         """
-        results: list[Any] = [_PENDING] * len(self._members)
-        futures: dict[Future[Any], int] = {}
-        for i, member in enumerate(self._members):
-            future = member.submit(fn, force=i in force) if only is None or i in only else None
-            if future is None:
-                results[i] = _SKIPPED
-            else:
-                futures[future] = i
-        timeout = max(m.client.connection_pool.connection_kwargs.get("socket_timeout") or MEMBER_TIMEOUT
-                      for m in self.members)
-        deadline = time.monotonic() + timeout + 0.05
-        pending = set(futures)
-        while pending and not decided(results):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            done, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
-            for future in done:
-                exc = future.exception()
-                results[futures[future]] = exc if exc is not None else future.result()
-        return [LockBackendUnavailable(self.members[i].url, "no answer in time") if r is _PENDING else r
+        calls = [pipe.send(script, commands, force=i in force) if only is None or i in only else None
+                 for i, pipe in enumerate(self._pipes)]
+        deadline = time.monotonic() + self.timeout + 0.05
+        results = gather(self._pipes, calls, decided, deadline)
+        return [LockBackendUnavailable(self.members[i].url, "no answer in time") if r is PENDING else r
                 for i, r in enumerate(results)]
 
     def _settled(self, yes: Callable[[Any], bool]) -> Callable[[list[Any]], bool]:
         """Decided once a majority said yes, or so many said no (or could not) that no majority can."""
         def decided(results: list[Any]) -> bool:
             ayes = sum(1 for r in results if _ok(r) and yes(r))
-            nays = sum(1 for r in results if r is not _PENDING and not (_ok(r) and yes(r)))
+            nays = sum(1 for r in results if r is not PENDING and not (_ok(r) and yes(r)))
             return ayes >= self.majority or nays > len(results) - self.majority
         return decided
 
@@ -207,16 +185,14 @@ class QuorumLockServer(LockServer):
         token = token or secrets.token_hex(TOKEN_BYTES)
         too_late = int((time.time() + ttl + LATE) * 1000)
         args = (token, wire.meta(owner_id), ms(ttl), owner_id or "", "1" if check_done else "", retake or "",
-                too_late)
+                too_late, _proposal(), int(CLOCK_WINDOW * 1e6), ms(FENCE_KEEP))
         sent = time.monotonic()
 
-        def take(server: LockServer) -> Any:
-            return server.run(scripts.Q_ACQUIRE, (key, key + ":f", key + ":d", SINCE, _tomb(key, token)), args)
-
-        replies = self._fan_out(take, self._settled(lambda r: int(r[0]) == 1))
+        keys = (key, key + ":f", key + ":d", SINCE, _tomb(key, token))
+        replies = self._fan_out(scripts.Q_ACQUIRE, [(keys, args)], self._settled(lambda r: int(r[0]) == 1))
         # where this acquire may have taken the key: granted, or sent and not answered (it may run later)
         self._reached[token] = [i for i, r in enumerate(replies)
-                                if r is not _SKIPPED and not (_ok(r) and int(r[0]) in (0, 2, 3))]
+                                if r is not SKIPPED and not (_ok(r) and int(r[0]) in (0, 2, 3))]
         if any(_ok(r) and int(r[0]) == 2 for r in replies):
             self._give_back_all(key, token)
             return Verdict.ALREADY_SUCCEEDED
@@ -233,13 +209,15 @@ class QuorumLockServer(LockServer):
         validity = ttl - elapsed - DRIFT * ttl - 0.002
         if len(granted) >= self.majority and validity > 0 and elapsed < ttl / 3:
             fence = max(f for _, f in granted)
-            on = [i for i, _ in granted]
-
-            def write_back(server: LockServer) -> Any:
-                return server.run(scripts.Q_FENCE, (key, key + ":f"), (token + " ", fence, ms(FENCE_KEEP)))
-
-            acks = self._fan_out(write_back, self._settled(lambda r: int(r) == 1), only=on)
-            if sum(1 for r in acks if _ok(r) and int(r) == 1) >= self.majority and time.monotonic() - sent < ttl / 3:
+            floored = sum(1 for _, f in granted if f == fence)  # members whose floor is the fence already
+            if floored < self.majority:  # members that disagreed: write the fence back to the others
+                on = [i for i, f in granted if f < fence]
+                write_back = ((key, key + ":f"), (token + " ", fence, ms(FENCE_KEEP)))
+                acks = self._fan_out(scripts.Q_FENCE, [write_back],
+                                     lambda rs: floored + sum(1 for r in rs if _ok(r) and int(r) == 1) >= self.majority,
+                                     only=on)
+                floored += sum(1 for r in acks if _ok(r) and int(r) == 1)
+            if floored >= self.majority and time.monotonic() - sent < ttl / 3:
                 lock = Lock(self, key, token, fence, ttl, owner_id, confirmed_at=sent)
                 lock.extra_margin = DRIFT * ttl  # Redlock's drift allowance, on top of the watchdog's margin
                 return lock
@@ -275,14 +253,14 @@ class QuorumLockServer(LockServer):
         """Undo a failed or untrusted acquire on every member it may have reached (not waited for: a
         member that does not run it in time keeps a tombstone that makes the late acquire a no-op)."""
         reached = self._reached.pop(token, range(len(self.members)))
-        self._fan_out(self._releaser(key, token, ("", "0", "0")), lambda r: True, only=reached, force=reached)
+        self._fan_out(scripts.Q_RELEASE, [self._releaser(key, token, ("", "0", "0"))], lambda r: True,
+                      only=reached, force=reached)
 
-    def _releaser(self, key: str, token: str, rest: tuple[str, str, str]) -> Callable[[LockServer], Any]:
-        """The member job of a release: Q_RELEASE of ``token``'s lock (``rest``: owner id, succeeded,
+    @staticmethod
+    def _releaser(key: str, token: str, rest: tuple[str, str, str]) -> tuple[Sequence[str], Sequence[Any]]:
+        """The keys and args of a release: Q_RELEASE of ``token``'s lock (``rest``: owner id, succeeded,
         remember ms), leaving a tombstone where the lock is not (yet) there."""
-        keys = (key, key + ":d", _tomb(key, token))
-        args = (token + " ", *rest, ms(LATE + 60.0))
-        return lambda server: server.run(scripts.Q_RELEASE, keys, args)
+        return (key, key + ":d", _tomb(key, token)), (token + " ", *rest, ms(LATE + 60.0))
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
                 again: bool = False, retries: int = 0) -> Released:
@@ -299,8 +277,8 @@ class QuorumLockServer(LockServer):
         # decided once a majority deleted it, or so many did not that no majority can: a member that
         # answers "gone" first (its acquire had found the key held, a late lock since deleted) does
         # not decide the status while the members that had it are still answering
-        replies = self._fan_out(self._releaser(lock.key, lock.token, rest), self._settled(lambda r: int(r) == 1),
-                                force=reached)
+        replies = self._fan_out(scripts.Q_RELEASE, [self._releaser(lock.key, lock.token, rest)],
+                                self._settled(lambda r: int(r) == 1), force=reached)
         statuses = [int(r) for r in replies if _ok(r)]
         if len(statuses) < self.majority:
             errors = [r for r in replies if not _ok(r)]
@@ -323,14 +301,9 @@ class QuorumLockServer(LockServer):
         chunks = [locks[i : i + chunk] for i in range(0, len(locks), chunk)]
         sent = time.monotonic()
 
-        def renew_on(server: LockServer) -> list[Any]:
-            replies = server._renew_replies(chunks)  # reloads the script on a member restarted empty
-            flat: list[Any] = []
-            for part, reply in zip(chunks, replies, strict=True):
-                flat.extend([reply] * len(part) if isinstance(reply, Exception) else [int(f) == 1 for f in reply])
-            return flat
-
-        per_member = self._fan_out(renew_on, self._answered)
+        commands = [([lk.key for lk in part], [lk.prefix for lk in part] + [ms(lk.ttl) for lk in part])
+                    for part in chunks]
+        per_member = [self._flat(chunks, r) for r in self._fan_out(scripts.RENEW_MANY, commands, self._answered)]
         out: list[bool | LockError] = []
         for i, lock in enumerate(locks):
             votes = [m[i] if isinstance(m, list) else m for m in per_member]
@@ -347,6 +320,34 @@ class QuorumLockServer(LockServer):
                 out.append(LockBackendUnavailable(self.url, f"renewal confirmed by {ayes} of {len(votes)}: {shown}"))
         return out
 
+    @staticmethod
+    def _flat(chunks: Sequence[Sequence[Lock]], answer: Any) -> Any:
+        """One member's renewal answer, one flag (or error) per lock; an error of the member as such."""
+        if not _ok(answer):
+            return answer
+        replies = answer if len(chunks) > 1 else [answer]
+        flat: list[Any] = []
+        for part, reply in zip(chunks, replies, strict=True):
+            flat.extend([reply] * len(part) if isinstance(reply, Exception) else [int(f) == 1 for f in reply])
+        return flat
+
+    def force_release(self, key: str, expected: str = "") -> tuple[int, bytes, int]:
+        """For operators: delete ``key``'s lock on every member, whoever holds it (only where it
+        starts with ``expected``, when given). Returns (1 deleted on at least one member, 0 no
+        member had it, -1 it changed hands: nothing deleted; the value deleted; on how many)."""
+        keys = (key, key + ":q", key + ":w", key + ":d")
+        every = range(len(self.members))
+        replies = self._fan_out(scripts.FORCE_RELEASE, [(keys, (expected,))], lambda r: False, force=every)
+        answered = [r for r in replies if _ok(r)]
+        if len(answered) < self.majority:
+            errors = [r for r in replies if not _ok(r)]
+            raise LockBackendUnavailable(self.url, f"no majority answered the release: {errors[0] if errors else ''}")
+        deleted = [r for r in answered if int(r[0]) == 1]
+        if deleted:
+            return 1, bytes(deleted[0][1]), len(deleted)
+        changed = [r for r in answered if int(r[0]) == -1]
+        return (-1, bytes(changed[0][1]), 0) if changed else (0, b"", 0)
+
     def holder(self, name: str) -> Holder | None:
         for member in self.members:
             try:
@@ -356,17 +357,22 @@ class QuorumLockServer(LockServer):
         raise LockBackendUnavailable(self.url, "no member answered")
 
 
+def _proposal() -> int:
+    """The fence this client proposes: its clock, in microseconds since 1970 (see the module doc)."""
+    return time.time_ns() // 1000
+
+
 def _tomb(key: str, token: str) -> str:
     """The tombstone of ``token``'s attempt on ``key``: set by a release that did not find the lock."""
     return f"{key}:x:{token}"
 
 
-_PENDING = object()
-_SKIPPED = LockBackendUnavailable("(quorum member)", "still busy with an earlier operation: skipped")
+_SCRIPTS = (scripts.Q_ACQUIRE, scripts.Q_FENCE, scripts.Q_RELEASE, scripts.RENEW_MANY, scripts.FORCE_RELEASE)
+"""What a quorum sends its members (each member's connection loads them as it connects)."""
 
 
 def _ok(reply: Any) -> bool:
-    return reply is not _PENDING and not isinstance(reply, BaseException) and reply is not None
+    return reply is not PENDING and not isinstance(reply, BaseException) and reply is not None
 
 
 def quorum_urls(url: str) -> list[str]:

@@ -1,0 +1,72 @@
+"""Where an app's locks live, node by node, for the operators' commands.
+
+One Redis (or a Sentinel-watched master) is one node. A Redis Cluster spreads the keys over
+its masters: a SCAN of one node sees only that node's keys, so ``celery locks list`` scans
+each master. A quorum of independent masters keeps each lock on several members, maybe not
+on all of them (one was stopped, or restarted empty), so the commands read every member and
+show the majority's verdict beside what each member holds (:func:`verdict`), the same rule
+the workers use: a key is held only when a majority holds it under one token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.server import LockServer
+from ..topologies.cluster import ClusterLockServer
+from ..topologies.quorum import QuorumLockServer
+
+
+@dataclass(frozen=True)
+class Node:
+    """One Redis server the app's locks may be on: a label for people, and a client of its own."""
+
+    label: str
+    client: Any
+
+
+def nodes_of(server: LockServer) -> tuple[list[Node], int]:
+    """The nodes to read, and the majority needed for a verdict (0: not a quorum, one node decides)."""
+    if isinstance(server, QuorumLockServer):
+        return [Node(m.url, m.client) for m in server.members], server.majority
+    if isinstance(server, ClusterLockServer):
+        cluster = server.cluster
+        return [Node(n.name, cluster.get_redis_connection(n)) for n in cluster.get_primaries()], 0
+    return [Node(server.url, server.client)], 0
+
+
+def node_of_key(server: LockServer, key: str) -> Node:
+    """The node that holds ``key`` (the master of its slot on a Cluster; the one Redis otherwise)."""
+    if isinstance(server, ClusterLockServer):
+        node = server.cluster.get_node_from_key(key)
+        return Node(node.name, server.cluster.get_redis_connection(node))
+    return Node(server.url, server.client)
+
+
+def token_of(value: bytes | None) -> str | None:
+    """The token a lock value starts with (a reservation's ``~entry``), None for no lock."""
+    if value is None:
+        return None
+    return value.split(b" ", 1)[0].decode("utf-8", "replace")
+
+
+def verdict(seen: dict[str, bytes | None | Exception], majority: int) -> tuple[bytes | None, int]:
+    """A quorum's verdict on one key from what each member holds (``seen``: label -> value, None for
+    nothing, an exception for a member that did not answer): the value of the token most members
+    hold, and on how many; (None, 0) when no member holds it. Held only when that count is at least
+    ``majority``."""
+    votes: dict[str, list[bytes]] = {}
+    for value in seen.values():
+        if isinstance(value, bytes):
+            votes.setdefault(token_of(value) or "", []).append(value)
+    if not votes:
+        return None, 0
+    best = max(votes.values(), key=len)
+    return best[0], len(best)
+
+
+def member_states(seen: dict[str, bytes | None | Exception]) -> dict[str, str | None]:
+    """Per member: the token it holds the key under, None for free, ``"unreachable: ..."`` otherwise."""
+    return {label: (f"unreachable: {value}" if isinstance(value, Exception) else token_of(value))
+            for label, value in seen.items()}
