@@ -5,30 +5,22 @@ comes (the hand-off, the sweeper's re-send, or the "you waited too long"
 copy), its message is published to ``<queue>.singleton_turns``, where
 ``<queue>`` is the queue it was first delivered from, instead of to the back
 of ``<queue>`` behind whatever arrived meanwhile. Every worker that consumes
-``<queue>`` also consumes its turns queue: it is added at worker start
-(the ``worker_init`` signal, sent after ``-Q``/``-X`` were applied and before
-the consumer starts, by ``celery worker`` and by
-``celery.contrib.testing.worker.start_worker`` alike), the way Celery's own
-documentation adds a queue with ``app.amqp.queues.select_add``.
+``<queue>`` also consumes its turns queue, on a channel of its own with a
+prefetch window of its own (:class:`TurnsConsumer`, a consumer bootstep
+added at worker start: the ``worker_init`` signal, sent after ``-Q``/``-X``
+were applied and before the consumer starts, by ``celery worker`` and by
+``celery.contrib.testing.worker.start_worker`` alike).
 
-Why a turn is not stuck behind the backlog:
-
-* kombu's Redis transport BRPOPs all of a worker's queues and rotates their
-  order on every fetch, so the turns queue is read at the latest on the
-  next-but-one fetch, whatever the depth of ``<queue>``;
-* on RabbitMQ each queue has its own consumer on the worker's channel, and
-  the broker serves the consumers of a channel in turn as prefetch credit
-  comes back (with RabbitMQ 3.x's channel-wide QoS, Celery's default there)
-  or independently (per-consumer QoS, RabbitMQ 4): either way the turn waits
-  for at most one prefetch window of the worker that takes it, never for the
-  whole queue.
+Why a turn is not stuck behind the backlog: it is not in ``<queue>``, and on
+a channel of its own it does not wait for room in the worker's task prefetch
+window either (there, with the backlog's tasks prefetched, it would come only
+once one of them had started): the broker delivers it at once.
 
 Nor behind the worker's own prefetched messages: a prefork worker keeps the
 messages it has taken but not yet given to a child in a buffer of its own
-(up to ``worker_prefetch_multiplier`` x concurrency of them), in arrival order,
-and the broker delivers a turn to it only when that buffer has room.
-A turn received from a turns queue goes to the front of that buffer, behind
-earlier turns only (``turns_first``), so it runs on the next free child. That
+(up to ``worker_prefetch_multiplier`` x concurrency of them), in arrival order.
+A turn received goes to the front of that buffer, behind earlier turns only
+(``turns_first``), so it runs on the next free child. That
 buffer (the worker's pool semaphore) is a private detail of Celery's prefork
 worker: where it is not found (the threads, solo, gevent and eventlet pools,
 or another Celery release), the turn keeps its place in arrival order and
@@ -44,11 +36,14 @@ rolling deploy, a worker not consuming ``<queue>``) publishes it to
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from celery import bootsteps
 from celery.signals import task_received, worker_init, worker_ready
 from kombu.entity import Exchange, Queue
+from kombu.messaging import Consumer
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -97,18 +92,46 @@ def consumed(name: str | None) -> bool:
 
 
 def add_turns_queues(app: Any) -> list[str]:
-    """Make the worker consume the turns queue of every queue it consumes; returns the names added."""
-    queues = app.amqp.queues
+    """Make the worker consume the turns queue of every queue it consumes, on a channel of its own
+    (:class:`TurnsConsumer`); returns the names added."""
     added = []
-    for name, queue in list(queues.consume_from.items()):
+    for name, queue in list(app.amqp.queues.consume_from.items()):
         exchange_type = getattr(queue.exchange, "type", "direct")
         if name.endswith(SUFFIX) or exchange_type == "fanout" or getattr(queue, "no_declare", False):
             continue  # a turns queue itself, or a broadcast queue: no turns of its own
-        turns = turns_queue(name)
-        queues.select_add(turns)
         _consumed.add(name)
-        added.append(turns.name)
+        added.append(name + SUFFIX)
+    _of_app[app] = [turns_queue(name[: -len(SUFFIX)]) for name in added]
+    app.steps["consumer"].add(TurnsConsumer)
     return added
+
+
+_of_app: weakref.WeakKeyDictionary[Any, list[Queue]] = weakref.WeakKeyDictionary()
+"""The turns queues each app's worker consumes (an app's worker, started in this process)."""
+
+
+class TurnsConsumer(bootsteps.ConsumerStep):
+    """The worker's turns queues, on a channel of their own with a prefetch window of their own.
+
+    On the worker's task channel, a turn shares the prefetch window with the backlog: the broker
+    delivers it only once one of the worker's prefetched tasks has started. On a channel of its
+    own it is delivered at once, and :func:`turns_first` puts it ahead of the prefetched tasks, so
+    it runs on the worker's next free child. Its messages go through the worker's own task handler
+    (the same strategies, acks and requests as any task)."""
+
+    name = "celery-singleton-lock turns"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c: Any) -> None:
+        queues = _of_app.get(c.app) or []
+        self.consumers = []
+        if not queues:
+            return
+        channel = c.connection.channel()
+        consumer = Consumer(channel, queues=queues, on_message=c.create_task_handler(),
+                            accept=c.app.conf.accept_content, prefetch_count=max(1, c.initial_prefetch_count or 0))
+        consumer.consume()
+        self.consumers = [consumer]
 
 
 def check_broker(app: Any) -> None:
@@ -123,7 +146,8 @@ def check_broker(app: Any) -> None:
     multiplier = app.conf.worker_prefetch_multiplier
     if isinstance(multiplier, int) and multiplier > 1 and not app.conf.worker_disable_prefetch:
         logger.info(
-            "celery-singleton-lock: worker_prefetch_multiplier is %d: under a busy queue a waiter's turn waits "
+            "celery-singleton-lock: worker_prefetch_multiplier is %d: under a busy queue a waiter's turn runs "
+            "on the next free child of a prefork worker, but in the threads, solo, gevent and eventlet pools "
             "behind up to %d x concurrency prefetched tasks of the worker that takes it; 1 makes that about one "
             "task", multiplier, multiplier,
         )

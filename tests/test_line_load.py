@@ -45,7 +45,7 @@ from celery_singleton_lock.engine import scripts
 from celery_singleton_lock.engine.line import SWEEP_INTERVAL, SWEEP_LEASE
 from celery_singleton_lock.engine.lock import Handoff, Lock, slot_safe
 from celery_singleton_lock.testing.servers import wait_until
-from celery_singleton_lock.turns import SUFFIX
+from celery_singleton_lock.turns import SUFFIX, TurnsConsumer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -266,7 +266,11 @@ def test_a_turn_goes_ahead_of_the_workers_own_prefetched_backlog(redis_server, t
         waiter_start = kinds.index(("start", waiter.id))
         ahead = [e for e in log[holder_end:waiter_start] if e["event"] == "filler"]
         assert len([e for e in log if e["event"] == "filler"]) == 10, "every filler ran"
-        assert len(ahead) <= 3, f"{len(ahead)} prefetched filler(s) started between the release and the turn"
+        # the turn comes on a channel of its own (not when the prefetch window has room): it is at the
+        # head of the buffer by the time a child is free, but for the filler the holder's own child may
+        # have taken in the moment before it arrived (the benchmark's hot key under a backlog measures
+        # what the channel of its own gains under a saturated queue)
+        assert len(ahead) <= 1, f"{len(ahead)} prefetched filler(s) started between the release and the turn"
 
 
 # -- 2. a slow broker --------------------------------------------------------------------------------
@@ -556,8 +560,12 @@ def test_start_worker_consumes_the_turns_queue_of_each_of_its_queues(redis_serve
     def job(self, k):
         return k
 
-    with run_worker(app, pool="threads", concurrency=1, queues=queues):
-        assert sorted(app.amqp.queues.consume_from) == sorted([*queues, *(q + SUFFIX for q in queues)])
+    with run_worker(app, pool="threads", concurrency=1, queues=queues) as worker:
+        assert sorted(app.amqp.queues.consume_from) == sorted(queues)  # the task channel: as asked
+        step = next(s for s in worker.consumer.steps if isinstance(s, TurnsConsumer))
+        (consumer,) = step.consumers  # the turns queues: a consumer and channel of their own
+        assert sorted(q.name for q in consumer.queues) == sorted(q + SUFFIX for q in queues)
+        assert consumer.channel is not worker.consumer.task_consumer.channel
         assert job.apply_async(("x",), queue=queues[1]).get(timeout=TIMEOUT) == "x"
 
 
