@@ -452,10 +452,7 @@ def release(ctx: click.Context, key: str, yes: bool) -> None:
     row = lock_row(key, task, shown, pttl, waiters, now_us)
     expected = ""
     if not yes:
-        click.echo(f"lock {key}: {describe(row)}")
-        if not click.confirm("Force-release it? Its holder keeps running, without the lock", default=False):
-            click.echo("not released")
-            ctx.exit(1)
+        confirm_release(ctx, key, row)
         # the holder shown, not whoever may have taken the key since: its token (or reservation's entry)
         expected = shown.decode("utf-8", "replace").split(" ", 1)[0] + " "
     for task_obj in target.tasks.values():  # waiting copies of these tasks are published from here
@@ -490,6 +487,14 @@ def release(ctx: click.Context, key: str, yes: bool) -> None:
     click.echo(line)
 
 
+def confirm_release(ctx: click.Context, key: str, row: dict[str, Any]) -> None:
+    """Show the lock and ask; exit 1 (not released) unless the operator says yes."""
+    click.echo(f"lock {key}: {describe(row)}")
+    if not click.confirm("Force-release it? Its holder keeps running, without the lock", default=False):
+        click.echo("not released")
+        ctx.exit(1)
+
+
 def _release_on_quorum(ctx: click.Context, target: Target, server: QuorumLockServer, key: str, task: str,
                        yes: bool) -> None:
     """``release`` on a quorum: the key deleted on every member that has it, whatever the majority says."""
@@ -499,10 +504,7 @@ def _release_on_quorum(ctx: click.Context, target: Target, server: QuorumLockSer
         ctx.exit(1)
     expected = ""
     if not yes:
-        click.echo(f"lock {key}: {describe(row)}")
-        if not click.confirm("Force-release it? Its holder keeps running, without the lock", default=False):
-            click.echo("not released")
-            ctx.exit(1)
+        confirm_release(ctx, key, row)
         tokens = [t for t in row["members"].values() if t and not t.startswith("unreachable")]
         expected = max(set(tokens), key=tokens.count) + " "  # the holder shown (see verdict)
     try:
