@@ -9,6 +9,8 @@ The engine underneath (:class:`LockServer`, :class:`Lock`) and the watchdog
 work without Celery too; see :func:`held`.
 """
 
+from . import revoke as _revoke  # noqa: F401 - takes revoked tasks out of the lines (a worker bootstep)
+from . import workers as _workers  # noqa: F401 - starts and stops this process's threads with the worker
 from .engine.lock import Holder, Lock, Released
 from .engine.server import LockServer
 from .exceptions import (

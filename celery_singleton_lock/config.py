@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import line as queue
-from .engine.lock import check_ttl, redact_url
+from .engine.addresses import redact_url
+from .engine.lock import check_ttl
 from .engine.server import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TURN_TIMEOUT, LockServer
 from .keys import KeySpec
 from .topologies import servers

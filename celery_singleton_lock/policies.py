@@ -19,6 +19,7 @@ from . import config, handoff
 from .decide import Action
 from .engine import faults
 from .engine import line as queue
+from .engine import sweeper as sweeping
 from .engine.lock import Done, Holder, Verdict
 from .engine.server import LockServer
 from .exceptions import (
@@ -83,8 +84,8 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
             queue.announce(server, settings.index, key)
         except LockError as exc:  # the line still moves on releases; only a dead holder needs the sweeper
             logger.warning("lock %s: could not tell the sweepers about its line: %s", key, exc)
-    queue.get_sweeper().remember(server, key, entry, request.id, settings.ttl, message)
-    queue.get_sweeper().watch(server, settings.index)
+    sweeping.get_sweeper().remember(server, key, entry, request.id, settings.ttl, message)
+    sweeping.get_sweeper().watch(server, settings.index)
     own = holder_id == request.id
     if not own and not get_actual_ignore_result(task, request):
         task.backend.store_result(

@@ -14,8 +14,7 @@ from celery import Task
 from kombu.serialization import dumps, loads
 
 from . import config
-from .engine.lock import Lock
-from .engine.server import LockServer
+from .engine.lock import Backend, Lock
 from .exceptions import LockBackendRefused, LockBackendUnavailable, LockError
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -45,10 +44,10 @@ def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remem
     return None
 
 
-_twins: dict[tuple[LockServer, float], LockServer] = {}
+_twins: dict[tuple[Backend, float], Backend] = {}
 
 
-def release_twin(server: LockServer, timeout: float) -> LockServer:
+def release_twin(server: Backend, timeout: float) -> Backend:
     """The server's twin with the release's short socket timeout (a stalled Redis must not hold the task)."""
     twin = _twins.get((server, timeout))
     if twin is None:

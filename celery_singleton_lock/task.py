@@ -36,8 +36,6 @@ from celery.signals import task_postrun
 from celery.states import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS
 
 from . import config, handoff, identity, keys, options, policies, releasing
-from . import revoke as _revoke  # noqa: F401 - takes revoked tasks out of the lines (a worker bootstep)
-from . import workers as _workers  # noqa: F401 - starts and stops this process's threads with the worker
 from .decide import Action, Delivery, decide
 from .engine import faults, reentry, timing
 from .engine import line as queue
@@ -87,6 +85,8 @@ class LockedTask(Task):
     reads False and ``task.lock_track_started`` True.
     """
 
+    singleton_lock: ClassVar[bool] = True
+    """The mark the worker's start-up looks for (turns.has_locked_tasks) without importing this class."""
     lock_key: ClassVar[keys.KeySpec] = None
     lock_ttl: ClassVar[float | None] = None
     on_duplicate: ClassVar[str | None] = None

@@ -176,10 +176,11 @@ def _say_turns(**_: Any) -> None:
 
 
 def has_locked_tasks(app: Any) -> bool:
-    """Whether the app has a LockedTask (the worker imported its task modules before worker_init)."""
-    from .task import LockedTask
+    """Whether the app has a LockedTask (the worker imported its task modules before worker_init).
 
-    return any(isinstance(task, LockedTask) for task in list(app.tasks.values()))
+    Known by the mark every LockedTask carries (``singleton_lock``), not by isinstance: this module
+    is below task.py, which imports it (through the hand-off)."""
+    return any(getattr(task, "singleton_lock", False) is True for task in list(app.tasks.values()))
 
 
 

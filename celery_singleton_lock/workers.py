@@ -11,8 +11,8 @@ from typing import Any
 
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
-from .engine import line as queue
 from .engine import persistence
+from .engine import sweeper as sweeping
 from .engine.server import LockServer
 from .exceptions import LockKeyError
 from .watchdog.renewer import shutdown_watchdog
@@ -37,7 +37,7 @@ def watch_app(app: Any) -> None:
         if server.supports_line and (server, settings.index) not in seen:
             seen.add((server, settings.index))
             persistence.check_once(server)
-            queue.get_sweeper().watch(server, settings.index)
+            sweeping.get_sweeper().watch(server, settings.index)
 
 
 @worker_process_init.connect(weak=False)
@@ -60,4 +60,4 @@ def _sweep_in_main(sender: Any = None, **_: Any) -> None:
 @worker_shutdown.connect(weak=False)
 def _stop_threads(**_: Any) -> None:
     shutdown_watchdog()
-    queue.shutdown_sweeper()
+    sweeping.shutdown_sweeper()

@@ -20,6 +20,7 @@ from _topology_support import check_contract
 from conftest import make_app
 
 from celery_singleton_lock.engine import line as queue
+from celery_singleton_lock.engine import sweeper as sweeping
 from celery_singleton_lock.engine.lock import Holder, Lock
 from celery_singleton_lock.exceptions import LockError
 from celery_singleton_lock.testing.deployments import RedisClusterDeployment
@@ -105,7 +106,7 @@ def test_the_waiting_line_and_the_sweeper_work_across_nodes(cluster, server):
     queue.announce(server, index, name)
     assert queue.line(server, name) == ["waiter"]
     # the holder dies (its lock expires): the sweeper passes the key on
-    sweeper = queue.Sweeper()
+    sweeper = sweeping.Sweeper()
     wait_until(lambda: server.holder(name) is None or server.holder(name).reserved, 10, 0.1, "the lock to expire")
     wait_until(lambda: sweeper.sweep_once(server, index) or server.holder(name).reserved, 10, 0.2, "a hand-off")
     reserved = server.holder(name)
@@ -222,7 +223,7 @@ def test_parks_lost_with_a_shard_are_sent_again_though_the_index_epoch_did_not_c
     sent: list = []
     before = server.send_handoff
     server.send_handoff = lambda srv, handoff: sent.append(handoff) or True
-    sweeper = queue.Sweeper(interval=0.2)
+    sweeper = sweeping.Sweeper(interval=0.2)
     try:
         sweeper.remember(server, name, entry, "waiter", 5, b"msg")
         sweeper.watch(server, index)

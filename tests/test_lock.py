@@ -24,7 +24,8 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from celery_singleton_lock.engine.lock import Holder, Lock, check_ttl, redact_url, slot_safe
+from celery_singleton_lock.engine.addresses import redact_url
+from celery_singleton_lock.engine.lock import Holder, Lock, check_ttl, slot_safe
 from celery_singleton_lock.engine.server import LockServer
 from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable, LockError, LockLost
 from celery_singleton_lock.testing.servers import Monitor, RedisServer, free_port, wait_until

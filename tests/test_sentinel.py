@@ -337,6 +337,7 @@ def test_parks_lost_in_a_failover_to_a_lagging_replica_are_sent_again():
     import signal
 
     from celery_singleton_lock.engine import line as queue
+    from celery_singleton_lock.engine import sweeper as sweeping
     from celery_singleton_lock.engine.lock import slot_safe
 
     with SentinelDeployment(replicas=1, sentinels=3) as dep:
@@ -346,7 +347,7 @@ def test_parks_lost_in_a_failover_to_a_lagging_replica_are_sent_again():
         key = slot_safe(name)
         sent: list = []
         server.send_handoff = lambda srv, handoff: sent.append(handoff) or True
-        sweeper = queue.Sweeper(interval=0.2)
+        sweeper = sweeping.Sweeper(interval=0.2)
         try:
             holder = server.acquire(name, 60, owner_id="holder")
             assert isinstance(holder, Lock)

@@ -24,7 +24,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import LockedTask, config
-from celery_singleton_lock.engine.lock import redact_url
+from celery_singleton_lock.engine.addresses import redact_url
 from celery_singleton_lock.engine.server import LockServer
 from celery_singleton_lock.testing.servers import RedisServer, free_port
 from celery_singleton_lock.topologies import servers

@@ -225,11 +225,4 @@ def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None
                 logger.warning("lock %s: could not leave the line (%s); the entry times out by itself", name, exc)
 
 
-# -- the sweeper (its own module; re-exported here, where every caller finds it) --------------
-
-from .sweeper import Sweeper, get_sweeper, shutdown_sweeper  # noqa: E402
-
-__all__: Sequence[str] = [
-    "park", "leave", "sweep", "line", "index_key", "announce", "wait_turn", "Sweeper", "get_sweeper",
-    "shutdown_sweeper",
-]
+__all__: Sequence[str] = ["park", "leave", "sweep", "line", "index_key", "announce", "wait_turn"]

@@ -18,30 +18,14 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ..exceptions import LockLost
-from . import notify, timing
-
-if TYPE_CHECKING:
-    from .server import LockServer
+from ..exceptions import LockError, LockLost
+from . import notify, reentry, timing
 
 logger = logging.getLogger("celery_singleton_lock")
 
 MAX_TTL = 10 * 365 * 24 * 3600.0  # ten years: beyond that Redis may refuse the expiry
-
-
-def redact_url(url: str) -> str:
-    """The URL with every password replaced by ``***``, for logs and errors.
-
-    Masked: the userinfo password (the user name stays, so an operator can tell
-    accounts apart), the ``password``, ``username`` and any other ``*password*``
-    query parameter (redis-py reads credentials from the query string too), in
-    each part of a ``;``-separated list (Sentinel, failover brokers). A URL that
-    no parser reads as its author meant (a raw ``#``, ``?`` or ``/`` in the
-    password) is cut to its scheme rather than shown half-masked.
-    """
-    return ";".join(_redact_one(part) for part in _split_url_list(url))
 
 
 def check_ttl(ttl: Any, what: str = "ttl") -> float:
@@ -119,6 +103,24 @@ class Holder:
 _lost_lock = threading.Lock()
 
 
+class Backend(Protocol):
+    """What a :class:`Lock` needs of the server that granted it (a LockServer of any topology).
+
+    The handle is typed by this small Protocol, not by the class that creates it: server.py
+    imports this module, and this module needs nothing of server.py."""
+
+    url: str
+
+    def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
+                again: bool = False, retries: int = 0) -> Released: ...
+
+    def renew(self, lock: Lock) -> bool: ...
+
+    def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]: ...
+
+    def with_timeout(self, seconds: float) -> Backend: ...
+
+
 @dataclass(eq=False)
 class Lock:
     """One held lock: the handle an execution keeps while it runs.
@@ -132,7 +134,7 @@ class Lock:
     ERROR and handed to ``on_lost`` exactly once.
     """
 
-    server: LockServer
+    server: Backend
     key: str
     token: str
     fencing_token: int
@@ -223,8 +225,6 @@ class Lock:
         Only in the thread that holds it; raises :class:`LockLost` if it is already lost.
         What ``held(server, key, owner_id=...)`` does when this thread already holds the key.
         """
-        from . import reentry
-
         return reentry.again(self)
 
     def renew(self) -> bool:
@@ -268,51 +268,3 @@ class Released:
 def ms(seconds: float) -> int:
     """Seconds as Redis milliseconds (at least 1)."""
     return max(1, int(round(seconds * 1000)))
-
-
-# -- helpers for redact_url -------------------------------------------------------
-
-
-def _split_url_list(text: str) -> list[str]:
-    """``"a://x;b://y"`` -> ``["a://x", "b://y"]``; a ``;`` not followed by ``scheme://`` stays inside its URL."""
-    pieces = text.split(";")
-    out = [pieces[0]]
-    for piece in pieces[1:]:
-        scheme, sep, _ = piece.lstrip().partition("://")
-        if sep and scheme and scheme[0].isalpha() and all(c.isalnum() or c in "+-." for c in scheme):
-            out.append(piece)
-        else:
-            out[-1] += ";" + piece
-    return out
-
-
-def _is_secret_query_name(raw_name: str) -> bool:
-    from urllib.parse import unquote_plus
-
-    name = unquote_plus(raw_name).strip().lower()
-    return name == "username" or "password" in name
-
-
-def _redact_one(url: str) -> str:
-    """One URL: mask the userinfo password and the secret query parameters, keep the rest as written."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    # the authority ends at the first '/', '?' or '#' (as urlsplit, redis-py and kombu read it)
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    authority, tail = rest[:end], rest[end:]
-    userinfo, at, hostport = authority.rpartition("@")
-    path, qmark, query = tail.partition("?")
-    if "#" in tail or "@" in path or any("@" in seg.partition("=")[0] for seg in query.split("&")):
-        # a password with a raw '#', '/' or '?' in it: the parsers cut the URL there, and the
-        # rest of the password lands in the path, query or fragment. Show nothing of it.
-        return f"{scheme}://***"
-    if at and ":" in userinfo:
-        authority = f"{userinfo.partition(':')[0]}:***@{hostport}"
-    if qmark:
-        segments = []
-        for seg in query.split("&"):
-            name, eq, _ = seg.partition("=")
-            segments.append(f"{name}=***" if eq and _is_secret_query_name(name) else seg)
-        query = "&".join(segments)
-    return f"{scheme}://{authority}{path}{qmark}{query}"

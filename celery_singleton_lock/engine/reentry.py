@@ -28,13 +28,29 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, TypeVar
 
 from ..exceptions import LockError
 
-if TYPE_CHECKING:
-    from .lock import Lock
-    from .server import LockServer
+
+class Held(Protocol):
+    """What the registry needs of a lock handle (:class:`~celery_singleton_lock.engine.lock.Lock`).
+
+    Typed here rather than by importing lock.py: lock.py imports this module (``Lock.reenter``),
+    and the registry needs nothing of the handle but these."""
+
+    server: Any
+    key: str
+    owner_id: str | None
+    token: str
+    released: bool
+    pid: int
+    depth: int
+
+    def ensure(self) -> None: ...
+
+
+H = TypeVar("H", bound=Held)
 
 _local = threading.local()
 
@@ -42,7 +58,7 @@ Slot = tuple[str, str, str | None]
 """(where the server is, lock key, owner id)."""
 
 
-def _where(server: LockServer) -> str:
+def _where(server: Any) -> str:
     """The server's identity for the registry: its (redacted) URL, i.e. host, port and db.
 
     Two LockServer objects on the same Redis database (a task's, and one that
@@ -51,14 +67,14 @@ def _where(server: LockServer) -> str:
     return str(getattr(server, "url", None) or id(server))
 
 
-def _held() -> dict[Slot, Lock]:
-    table: dict[Slot, Lock] | None = getattr(_local, "held", None)
+def _held() -> dict[Slot, Held]:
+    table: dict[Slot, Held] | None = getattr(_local, "held", None)
     if table is None:
         table = _local.held = {}
     return table
 
 
-def _live(lock: Lock) -> bool:
+def _live(lock: Held) -> bool:
     return not lock.released and lock.pid == os.getpid()
 
 
@@ -67,7 +83,7 @@ _PRUNE_AT = 64
 some other way out than its holder's exit must not stay registered for ever)."""
 
 
-def register(lock: Lock) -> None:
+def register(lock: Held) -> None:
     """``lock`` was just taken by this thread: it can be re-entered from now on (depth 1)."""
     lock.depth = 1
     table = _held()
@@ -77,7 +93,7 @@ def register(lock: Lock) -> None:
     table[(_where(lock.server), lock.key, lock.owner_id)] = lock
 
 
-def unregister(lock: Lock) -> None:
+def unregister(lock: Held) -> None:
     """``lock`` is being released by this thread (its outermost exit)."""
     table = _held()
     slot = (_where(lock.server), lock.key, lock.owner_id)
@@ -85,7 +101,7 @@ def unregister(lock: Lock) -> None:
         del table[slot]
 
 
-def find(server: LockServer, key: str, owner_id: str | None) -> Lock | None:
+def find(server: Any, key: str, owner_id: str | None) -> Held | None:
     """This thread's live lock on ``key`` for ``owner_id`` (never for an anonymous owner)."""
     if owner_id is None:
         return None
@@ -98,7 +114,7 @@ def find(server: LockServer, key: str, owner_id: str | None) -> Lock | None:
     return lock
 
 
-def held_here(key: str, token: str) -> Lock | None:
+def held_here(key: str, token: str) -> Held | None:
     """The live lock this thread holds on ``key`` with ``token`` (whatever the server's URL):
     how a "held" answer from Redis is recognised as this thread's own lock."""
     for (_srv, k, _owner), lock in list(_held().items()):
@@ -113,7 +129,7 @@ def holds_key(key: str) -> bool:
 
 
 @contextmanager
-def again(lock: Lock) -> Iterator[Lock]:
+def again(lock: H) -> Iterator[H]:
     """Hold ``lock`` once more for the block (depth + 1); the block's end takes one off.
 
     Only in the thread that holds it. Raises :class:`~celery_singleton_lock.exceptions.LockLost`

@@ -31,7 +31,8 @@ from redis.retry import Retry
 
 from ..exceptions import LockBackendUnavailable, LockError
 from . import faults, refusals, scripts, wire
-from .lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, redact_url, slot_safe
+from .addresses import redact_url
+from .lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
 
 logger = logging.getLogger("celery_singleton_lock")
 

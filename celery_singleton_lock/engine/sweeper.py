@@ -1,9 +1,6 @@
-"""The per-process sweeper of the waiting lines (see :mod:`celery_singleton_lock.engine.line`, which
-re-exports it): it passes on keys whose holder died, times waiters out, and sends again the parks
-this process made that were lost with the lock Redis's data.
-
-Import it through ``queue`` (``queue.Sweeper``, ``queue.get_sweeper()``): queue.py imports this
-module at its end, once everything this one needs from it is defined.
+"""The per-process sweeper of the waiting lines (:mod:`celery_singleton_lock.engine.line` has the
+lines themselves, and its sweep script): it passes on keys whose holder died, times waiters out,
+and sends again the parks this process made that were lost with the lock Redis's data.
 """
 
 from __future__ import annotations

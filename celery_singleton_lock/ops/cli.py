@@ -22,30 +22,22 @@ misconfigured or unreachable, with a one-line error.
 Every key of a lock ``K`` is described in :mod:`celery_singleton_lock.engine.scripts`.
 """
 
+
 from __future__ import annotations
 
-import getpass
 import json
-import logging
-import os
-import socket
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import click
-from redis.exceptions import RedisError
 
 from .. import handoff
 from ..engine import line_ops
-from ..engine.lock import redact_url
-from ..engine.server import LockServer
 from ..exceptions import LockError, LockKeyError
 from ..task import LockedTask
-from ..topologies import servers
 from ..topologies.quorum import QuorumLockServer
-from ..topologies.urls import lock_source, transport_options
-from .nodes import Node, member_states, node_of_key, nodes_of, verdict
+from .base import Target, audit, fail, locks, open_target, who_am_i
+from .nodes import node_of_key
+from .reading import SCAN_COUNT, read_batch, read_locks, read_one, scan
 from .survey import (
     KINDS,
     STATES,
@@ -59,211 +51,7 @@ from .survey import (
     to_json,
 )
 
-logger = logging.getLogger("celery_singleton_lock")
-
-DEFAULT_PREFIX = "singleton_lock"
-SCAN_COUNT = 500
-"""Keys per SCAN call (a hint to Redis), and so per pipelined read."""
-
-class CliError(click.ClickException):
-    """A one-line error, exit status 2: a bad key or argument, or a lock Redis we cannot use."""
-
-    exit_code = 2
-
-
-def fail(message: str) -> NoReturn:
-    raise CliError(message)
-
-
-# -- keys ------------------------------------------------------------------------------
-
-
-@dataclass
-class Target:
-    """Where the app's locks live, as the workers find them."""
-
-    app: Any
-    server: LockServer
-    url: str
-    prefixes: tuple[str, ...]
-    tasks: dict[str, LockedTask]
-    nodes: list[Node]
-    """Every server to read (each master of a Cluster, each member of a quorum: see nodes.py)."""
-    majority: int = 0
-    """A quorum's majority (its verdict decides whether a key is held); 0 for any other topology."""
-
-    def run(self, what: Any, client: Any = None) -> Any:
-        """Run ``what(client)`` (the lock server's own client by default), turning Redis errors into
-        one-line errors (exit status 2)."""
-        try:
-            return what(client if client is not None else self.server.client)
-        except RedisError as exc:
-            fail(str(self.server.error(exc, "")))
-        except LockError as exc:
-            fail(str(exc))
-
-    def task_of(self, key: str) -> str:
-        try:
-            return parse_key(key, self.prefixes)
-        except ValueError as exc:
-            fail(str(exc))
-
-
-def open_target(ctx: click.Context) -> Target:
-    """The app's lock Redis, prefixes and LockedTasks (its task modules imported, as a worker does)."""
-    app = ctx.obj.app
-    try:
-        app.loader.import_default_modules()
-    except Exception as exc:
-        fail(f"cannot import the app's task modules: {type(exc).__name__}: {exc}")
-    conf = app.conf
-    try:
-        url, source = lock_source(conf)
-        transport = transport_options(conf, source)
-    except ValueError as exc:
-        fail(str(exc))
-    prefix = conf.get("singleton_lock_prefix") or DEFAULT_PREFIX
-    if not isinstance(prefix, str):
-        fail(f"setting singleton_lock_prefix must be a non-empty str, got {prefix!r}")
-    prefixes = {prefix}
-    tasks: dict[str, LockedTask] = {}
-    for name, task in sorted(app.tasks.items()):
-        if not isinstance(task, LockedTask):
-            continue
-        tasks[name] = task
-        try:
-            prefixes.add(task.lock_settings().prefix)
-        except ValueError as exc:
-            click.echo(f"warning: task {name}: {exc} (its own lock_prefix, if any, is not looked at)", err=True)
-    options = conf.get("singleton_lock_redis_options") or {}
-    if not isinstance(options, dict):
-        fail(f"setting singleton_lock_redis_options must be a dict, got {options!r}")
-    try:  # one Redis, Sentinel or Cluster, as the workers build it
-        server = servers.from_settings(url, transport_options=transport, redis_options=options)
-    except (ValueError, TypeError) as exc:
-        fail(f"cannot use the lock Redis URL {redact_url(url)}: {exc}")
-    nodes, majority = nodes_of(server)
-    return Target(app, server, server.url, tuple(sorted(prefixes)), tasks, nodes, majority)
-
-
-def scan(target: Target, task: str | None = None,
-         count: int = SCAN_COUNT) -> Iterator[tuple[Node, list[tuple[str, str]]]]:
-    """Batches of (lock key, task name) and the node they are on, by SCAN under each prefix on every
-    node: never KEYS, never a long call. A key found on several quorum members comes once."""
-    seen: set[str] = set()
-    for node in target.nodes:
-        for batch in _scan_node(target, node, task, count, seen):
-            yield node, batch
-
-
-def _scan_node(target: Target, node: Node, task: str | None, count: int,
-               seen: set[str]) -> Iterator[list[tuple[str, str]]]:
-    tail = f"{glob_escape(task)}:*" if task else "*"
-    for prefix in target.prefixes:
-        pattern = f"{glob_escape(prefix)}:{tail}"
-        cursor = 0
-        while True:
-            cursor, found = target.run(lambda c, cur=cursor, pat=pattern: c.scan(cur, match=pat, count=count),
-                                       node.client)
-            batch = []
-            for raw in found:
-                key = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-                if key in seen:
-                    continue
-                try:
-                    name = parse_key(key, target.prefixes)
-                except ValueError:
-                    continue  # a line, waiters, done records, wake-up list, the index...
-                if task is None or name == task:
-                    seen.add(key)
-                    batch.append((key, name))
-            if batch:
-                yield batch
-            if int(cursor) == 0:
-                break
-
-
-def read_batch(target: Target, batch: list[tuple[str, str]],
-               client: Any = None) -> tuple[int, list[tuple[str, str, bytes, int, int]]]:
-    """One pipelined round trip (on ``client``: a node's; else the lock server's): TIME, then GET, PTTL
-    and LLEN of the line, of each key.
-
-    Returns the server clock (microseconds) and (key, task, value, pttl, waiters) of the keys
-    still held (a key released since the SCAN, or not a string, is left out).
-    """
-
-    def read(client: Any) -> list[Any]:
-        pipe = client.pipeline(transaction=False)
-        pipe.time()
-        for key, _ in batch:
-            pipe.get(key)
-            pipe.pttl(key)
-            pipe.llen(key + ":q")
-        return list(pipe.execute(raise_on_error=False))
-
-    replies = target.run(read, client)
-    if isinstance(replies[0], Exception):
-        fail(str(target.server.error(replies[0], batch[0][0])))
-    now_us = replies[0][0] * 1_000_000 + replies[0][1]
-    out = []
-    for i, (key, name) in enumerate(batch):
-        value, pttl, waiters = replies[1 + 3 * i: 4 + 3 * i]
-        if value is None or isinstance(value, Exception):
-            continue
-        pttl = pttl if isinstance(pttl, int) else -2
-        out.append((key, name, value, pttl, waiters if isinstance(waiters, int) else 0))
-    return now_us, out
-
-
-def read_locks(target: Target, batch: list[tuple[str, str]], client: Any = None) -> list[dict[str, Any]]:
-    """The batch's held locks, as rows (of a quorum: every member read, see :func:`read_quorum`)."""
-    if target.majority:
-        return read_quorum(target, batch)
-    now_us, found = read_batch(target, batch, client)
-    return [lock_row(key, name, value, pttl, waiters, now_us) for key, name, value, pttl, waiters in found]
-
-
-def read_quorum(target: Target, batch: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """The batch's locks on a quorum: one pipelined read per member, then one row per key that any
-    member holds, with ``members`` (label -> the token it holds, None, or why it did not answer),
-    ``held_on`` and ``held`` (the majority's verdict, as the workers decide it)."""
-    seen: dict[str, dict[str, Any]] = {key: {} for key, _ in batch}
-    found: dict[str, tuple[str, bytes, int, int, int]] = {}
-    for node in target.nodes:
-        try:
-            now_us, rows = read_batch(target, batch, node.client)
-        except CliError as exc:
-            for key in seen:
-                seen[key][node.label] = exc
-            continue
-        held = {key: (name, value, pttl, waiters) for key, name, value, pttl, waiters in rows}
-        for key, _ in batch:
-            seen[key][node.label] = held[key][1] if key in held else None
-            if key in held:
-                found.setdefault(key, (*held[key], now_us))
-    if all(isinstance(v, Exception) for values in seen.values() for v in values.values()):
-        fail(f"no member of {target.url} answered")
-    out = []
-    for key, name in batch:
-        value, count = verdict(seen[key], target.majority)
-        if value is None:
-            continue
-        _, _, pttl, waiters, now_us = found[key]
-        row = lock_row(key, name, value, pttl, waiters, now_us)
-        row.update(held=count >= target.majority, held_on=count, members=member_states(seen[key]))
-        out.append(row)
-    return out
-
-
-@click.group(name="locks")
-@click.pass_context
-def locks(ctx: click.Context) -> None:
-    """celery-singleton-lock: list, explain and force-release the app's locks.
-
-    Uses the app's settings (celery -A proj locks ...): the same lock Redis and
-    prefixes as its workers. Exit status: 0 done, 1 no such lock, 2 a bad key or
-    argument, or the lock Redis misconfigured or unreachable.
-    """
+__all__ = ["locks", "duration", "glob_escape", "parse_key"]
 
 
 @locks.command(name="list")
@@ -337,7 +125,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     now_ms = now_us // 1000
     row = lock_row(key, task, value, pttl, len(entries), now_us) if value is not None else None
     if target.majority:  # a quorum: every member read, and the majority's verdict
-        row = _read_one(target, key, task)
+        row = read_one(target, key, task)
         value = None if row is None else value
     waiting = _line(target, key, now_ms, records, entries)
     remembered = [{"task_id": owner.decode(), "remembered_ms": int(until) - now_ms} for owner, until in done]
@@ -394,7 +182,7 @@ def key_of(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
         key = task.lock_key_for(args, kwargs)
     except (LockKeyError, ValueError) as exc:
         fail(f"task {task_name}: {exc}")
-    row = _read_one(target, key, task_name)
+    row = read_one(target, key, task_name)
     if as_json:
         click.echo(to_json({"key": key, "task": task_name, "held": row is not None, "holder": row}))
         return
@@ -410,22 +198,6 @@ def _json_arg(option: str, text: str, kind: type) -> Any:
     if not isinstance(value, kind):
         fail(f"{option} must be a JSON {'array' if kind is list else 'object'}, got {text!r}")
     return value
-
-
-def _read_one(target: Target, key: str, task: str) -> dict[str, Any] | None:
-    """The lock ``key`` now, as a row (None when nobody holds it; on a quorum, a row also when only
-    a minority holds it, with ``held`` False)."""
-    rows = read_locks(target, [(key, task)], node_of_key(target.server, key).client)
-    return rows[0] if rows else None
-
-
-def who_am_i() -> str:
-    """user@host (pid N): who force-released a lock, for the log."""
-    try:
-        user = getpass.getuser()
-    except Exception:  # no name for this uid (a container)
-        user = f"uid {os.getuid()}" if hasattr(os, "getuid") else "unknown"
-    return f"user {user} on host {socket.gethostname()} (pid {os.getpid()})"
 
 
 @locks.command(name="release")
@@ -464,7 +236,7 @@ def release(ctx: click.Context, key: str, yes: bool) -> None:
         fail(str(exc))
     status, value, handoffs = done.status, done.value, done.handoffs
     if status == -1:
-        now = _read_one(target, key, task)
+        now = read_one(target, key, task)
         click.echo(f"lock {key} changed hands since it was shown ({describe(now) if now else 'now free'}): "
                    "nothing released")
         ctx.exit(1)
@@ -498,7 +270,7 @@ def confirm_release(ctx: click.Context, key: str, row: dict[str, Any]) -> None:
 def _release_on_quorum(ctx: click.Context, target: Target, server: QuorumLockServer, key: str, task: str,
                        yes: bool) -> None:
     """``release`` on a quorum: the key deleted on every member that has it, whatever the majority says."""
-    row = _read_one(target, key, task)
+    row = read_one(target, key, task)
     if row is None:
         click.echo(f"no lock {key} on any member: nothing released")
         ctx.exit(1)
@@ -519,20 +291,6 @@ def _release_on_quorum(ctx: click.Context, target: Target, server: QuorumLockSer
     audit(line)
     click.echo(line)
 
-
-def audit(line: str) -> None:
-    """The force-release's WARNING line on logger celery_singleton_lock: where the app's logging
-    sends it, else to stderr as a dated log line (not Python's bare last-resort message)."""
-    if logger.hasHandlers():
-        logger.warning("%s", line)
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[%(asctime)s: %(levelname)s/%(name)s] %(message)s"))
-    logger.addHandler(handler)
-    try:
-        logger.warning("%s", line)
-    finally:
-        logger.removeHandler(handler)
 
 
 from . import cli_line  # noqa: E402,F401 - registers "line" and "drop" on the group

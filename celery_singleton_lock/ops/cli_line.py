@@ -28,7 +28,7 @@ import click
 from .. import handoff
 from ..engine import line_ops
 from ..exceptions import LockError
-from .cli import Target, audit, fail, locks, open_target, who_am_i
+from .base import Target, audit, fail, locks, open_target, who_am_i
 from .survey import KINDS, STATES, duration, message_summary, to_json
 
 

@@ -36,7 +36,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
 from ..engine import scripts, wire
-from ..engine.lock import Lock, ms, redact_url
+from ..engine.addresses import redact_url
+from ..engine.lock import Lock, ms
 from ..engine.server import DEFAULT_CLIENT_OPTIONS, LockServer, Unreplicated
 from ..exceptions import LockBackendUnavailable, LockError
 

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import cast
 
 from ..engine import reentry
 from ..engine.line import wait_turn
@@ -61,7 +62,7 @@ def held(
     if isinstance(server, str):
         server = _server(server)
     key = slot_safe(name)
-    mine = reentry.find(server, key, owner_id)
+    mine = cast("Lock | None", reentry.find(server, key, owner_id))  # the registry holds only Locks
     if mine is not None:  # the same owner, up this thread's stack: nest
         with reentry.again(mine) as lock:
             yield lock
@@ -71,7 +72,7 @@ def held(
         outcome = server.acquire(name, ttl, owner_id=owner_id)
     if isinstance(outcome, Holder) and not outcome.queued:
         # held up this very stack (e.g. the same Redis reached through another URL spelling)?
-        ours = reentry.held_here(key, token=outcome.raw.partition(" ")[0])
+        ours = cast("Lock | None", reentry.held_here(key, token=outcome.raw.partition(" ")[0]))
         if ours is not None:
             if owner_id is not None and ours.owner_id == owner_id:
                 with reentry.again(ours) as lock:

@@ -54,7 +54,8 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ..engine import scripts, wire
-from ..engine.lock import Holder, Lock, Released, Verdict, check_ttl, ms, redact_url, slot_safe
+from ..engine.addresses import redact_url
+from ..engine.lock import Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
 from ..engine.server import TOKEN_BYTES, LockServer
 from ..exceptions import LockBackendUnavailable, LockError
 from .fanout import PENDING, SKIPPED, MemberPipe, gather

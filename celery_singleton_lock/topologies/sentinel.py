@@ -26,7 +26,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from ..engine.lock import redact_url
+from ..engine.addresses import redact_url
 from ..engine.server import DEFAULT_CLIENT_OPTIONS, LockServer
 
 logger = logging.getLogger("celery_singleton_lock")

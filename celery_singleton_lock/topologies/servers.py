@@ -35,7 +35,8 @@ import os
 import threading
 from typing import Any
 
-from ..engine.lock import check_ttl, redact_url
+from ..engine.addresses import redact_url
+from ..engine.lock import check_ttl
 from ..engine.server import DEFAULT_REPLICA_TIMEOUT, LockServer
 from .cluster import ClusterLockServer
 from .sentinel import SentinelLockServer

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.lock import _split_url_list, redact_url
+from ..engine.addresses import split_url_list
+from .url_parts import SSL_PATHS, cluster_url, one_redis_url, sentinel_part, shown_url
 
 
 def _is_redis(url: Any) -> bool:
@@ -54,7 +55,7 @@ def lock_source(conf: Any) -> tuple[str, str]:
             raise ValueError(
                 "setting singleton_lock_url must be the URL of one Redis server (redis://, rediss://, unix:// "
                 "or redis+socket://), of its Sentinels (sentinel://h1:26379/0;sentinel://h2:26379/0) or of a "
-                f"Redis Cluster (redis+cluster://h1:6379,h2:6379), got {_shown(url)}: {reason}"
+                f"Redis Cluster (redis+cluster://h1:6379,h2:6379), got {shown_url(url)}: {reason}"
             )
         return _translated("singleton_lock_url", _joined(url)), "singleton_lock_url"
     looked = []
@@ -63,7 +64,7 @@ def lock_source(conf: Any) -> tuple[str, str]:
         reason = _not_one_redis(candidate)
         if reason is None:
             return _translated(setting, _with_use_ssl(_joined(candidate), conf.get(ssl_setting), ssl_setting)), setting
-        looked.append(f"{setting} {_shown(candidate)} is {reason}" if candidate else f"{setting} is unset")
+        looked.append(f"{setting} {shown_url(candidate)} is {reason}" if candidate else f"{setting} is unset")
     raise ValueError(
         "no Redis for the locks: set singleton_lock_url to the URL of the Redis every worker shares "
         "(e.g. redis://redis.example:6379/2). It is unset, and neither fallback can hold the locks: "
@@ -95,7 +96,7 @@ def topology(url: str) -> str:
         return "sentinel"
     if scheme in CLUSTER_SCHEMES:
         return "cluster"
-    if len(_split_url_list(url)) > 1:
+    if len(split_url_list(url)) > 1:
         return "quorum"
     return "redis"
 
@@ -107,7 +108,7 @@ def _quorum_members(url: Any) -> list[str] | None:
     if isinstance(url, (list, tuple)):
         parts = [str(u) for u in url]
     elif isinstance(url, str):
-        parts = _split_url_list(url)
+        parts = split_url_list(url)
     else:
         return None
     if len(parts) < 2 or any(p.strip().partition("://")[0] == SENTINEL_SCHEME for p in parts):
@@ -115,14 +116,14 @@ def _quorum_members(url: Any) -> list[str] | None:
     if len(parts) < 3:
         raise ValueError(
             "setting singleton_lock_url names 2 Redis servers: a quorum of independent masters needs at least 3 "
-            "(a majority of 2 is both), got " + ", ".join(_shown(p) for p in parts)
+            "(a majority of 2 is both), got " + ", ".join(shown_url(p) for p in parts)
         )
     for part in parts:
         reason = _not_one_redis(part)
         if reason is not None or part.partition("://")[0] in CLUSTER_SCHEMES:
             raise ValueError(
                 f"setting singleton_lock_url: every member of a quorum must be one plain Redis server, "
-                f"got {_shown(part)}: {reason or 'a Redis Cluster'}"
+                f"got {shown_url(part)}: {reason or 'a Redis Cluster'}"
             )
     return [p.strip() for p in parts]
 
@@ -150,15 +151,6 @@ def _joined(url: Any) -> str:
         return ";".join(str(u) for u in url)
     return str(url)
 
-_CERT_REQS = {
-    "CERT_REQUIRED": "required", "CERT_OPTIONAL": "optional", "CERT_NONE": "none",
-    "required": "required", "optional": "optional", "none": "none",
-}
-"""Celery's (and kombu's) spellings of ``ssl_cert_reqs`` -> the ones redis-py's SSLConnection takes."""
-
-_SSL_PATHS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-
-
 def _not_one_redis(url: Any) -> str | None:
     """Why ``url`` cannot be the locks' Redis (None when it can): the reason ends up in the error."""
     if isinstance(url, (list, tuple)):
@@ -174,11 +166,11 @@ def _not_one_redis(url: Any) -> str | None:
     scheme, sep, _ = url.partition("://")
     if not sep:
         return "not a URL"
-    parts = _split_url_list(url)
+    parts = split_url_list(url)
     if scheme == SENTINEL_SCHEME:
         others = [p for p in parts if p.strip().partition("://")[0] != SENTINEL_SCHEME]
         if others:
-            return f"a mix of Sentinel and other URLs ({_shown(others[0])})"
+            return f"a mix of Sentinel and other URLs ({shown_url(others[0])})"
         return None
     if len(parts) > 1:
         return "several URLs (a failover list), but the locks need one server"
@@ -187,13 +179,6 @@ def _not_one_redis(url: Any) -> str | None:
     if scheme not in _REDIS_SCHEMES:
         return "not Redis" + (" (Sentinel is spelt sentinel://)" if "sentinel" in scheme else "")
     return None
-
-
-def _shown(value: Any) -> str:
-    """``value`` for an error message, every password masked."""
-    if isinstance(value, (list, tuple)):
-        return repr([redact_url(str(v)) for v in value])
-    return repr(redact_url(value)) if isinstance(value, str) else repr(value)
 
 
 def _celery_url(conf: Any, setting: str) -> Any:
@@ -251,7 +236,7 @@ def _with_use_ssl(url: str, options: Any, setting: str) -> str:
                 f"setting {setting}: {key}={value!r} cannot be carried into the lock URL; set singleton_lock_url "
                 "and pass it in singleton_lock_redis_options"
             )
-        if key in _SSL_PATHS:
+        if key in SSL_PATHS:
             text = quote(text, safe="")  # redis_url_for decodes these twice, as Celery does with a URL's
         extra.append(f"{quote(str(key), safe='')}={quote(text, safe='')}")
     if not extra:
@@ -278,129 +263,12 @@ def redis_url_for(url: str) -> str:
 
     reason = _not_one_redis(url)
     if reason is not None:
-        raise ValueError(f"{_shown(url)} is {reason}")
+        raise ValueError(f"{shown_url(url)} is {reason}")
     scheme = url.partition("://")[0]
     if scheme == SENTINEL_SCHEME:
-        return ";".join(_sentinel_part(part.strip()) for part in _split_url_list(url))
+        return ";".join(sentinel_part(part.strip()) for part in split_url_list(url))
     if scheme in CLUSTER_SCHEMES:
-        return _cluster_url(url)
-    return _one_redis_url(url)
+        return cluster_url(url)
+    return one_redis_url(url)
 
 
-def _sentinel_part(url: str) -> str:
-    """One ``sentinel://[:password@]host:port[/db]``, checked: a host, a numeric port and db, no query."""
-    from urllib.parse import urlsplit
-
-    shown = _shown(url)
-    if "#" in url:
-        raise ValueError(f"{shown} has a '#', which ends a URL: percent-encode a '#' in a password as %23")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"{shown} is not a valid URL: its port is not a number") from None
-    if not parts.hostname:
-        raise ValueError(f"{shown} names no Sentinel host: sentinel://host:26379/db")
-    if parts.query:
-        raise ValueError(
-            f"{shown}: a Sentinel URL takes no query string ({parts.query!r}); give client options in "
-            "singleton_lock_redis_options and the Sentinels' own in singleton_lock_transport_options['sentinel_kwargs']"
-        )
-    db = parts.path.strip("/")
-    if db and not (db.isascii() and db.isdigit()):
-        raise ValueError(f"database {db!r} in {shown} is not a number (the path of a Sentinel URL is its database)")
-    return f"sentinel://{parts.netloc}/{db or 0}" if port else f"sentinel://{parts.netloc}:26379/{db or 0}"
-
-
-def _cluster_url(url: str) -> str:
-    """``redis+cluster://[user:password@]h1:p1[,h2:p2...][/0][?query]``, checked (the query as for one Redis)."""
-    scheme, _, rest = url.partition("://")
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    authority, tail = rest[:end], rest[end:]
-    userinfo, at, hosts = authority.rpartition("@")
-    if not hosts:
-        raise ValueError(f"{_shown(url)} names no node: redis+cluster://host:6379[,host:6379...]")
-    single = "rediss" if scheme == "rediss+cluster" else "redis"
-    for node in hosts.split(","):
-        host, colon, port = node.rpartition(":")
-        if not colon or not host or not (port.isascii() and port.isdigit()):
-            raise ValueError(f"node {node!r} in {_shown(url)} is not host:port")
-    checked = _one_redis_url(f"{single}://{userinfo}{at}{hosts.split(',')[0]}{tail}")
-    path, _, _query = tail.partition("?")
-    if path.strip("/") not in ("", "0"):
-        raise ValueError(f"{_shown(url)}: a Redis Cluster has only database 0, the URL names {path.strip('/')!r}")
-    _, _, checked_tail = checked.partition("://")
-    query = checked_tail.partition("?")[2]
-    return f"{scheme}://{userinfo}{at}{hosts}" + (f"?{query}" if query else "")
-
-
-def _one_redis_url(url: str) -> str:
-    """:func:`redis_url_for` of one Redis server."""
-    from urllib.parse import quote, unquote, unquote_plus, urlsplit
-
-    shown = _shown(url)
-    if "#" in url:
-        raise ValueError(f"{shown} has a '#', which ends a URL: percent-encode a '#' in a password as %23")
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises on a port that is not a number
-    except ValueError:
-        # not the parser's message: with a raw '/' or '?' in a password, the "port" it quotes is the password
-        raise ValueError(
-            f"{shown} is not a valid URL: its port is not a number (percent-encode '/', '?', '#' and '@' "
-            "in a password)"
-        ) from None
-    scheme = parts.scheme
-    tls = scheme == "rediss"
-    query: list[str] = []
-    db_in_query = False
-    virtual_host = None
-    for segment in parts.query.split("&"):
-        if not segment:
-            continue
-        raw_name, _, raw_value = segment.partition("=")
-        name, value = unquote_plus(raw_name), unquote_plus(raw_value)
-        if name.startswith("ssl_") and not tls:
-            raise ValueError(f"{name} in {shown}: TLS settings need a rediss:// URL")
-        if name == "ssl_cert_reqs" and value:
-            mapped = _CERT_REQS.get(unquote(value))
-            if mapped is None:
-                raise ValueError(
-                    f"ssl_cert_reqs={value!r} in {shown} is not one of CERT_REQUIRED, CERT_OPTIONAL, CERT_NONE "
-                    "(or required, optional, none)"
-                )
-            segment = f"{raw_name}={mapped}"
-        elif name in _SSL_PATHS and value:
-            segment = f"{raw_name}={quote(unquote(value), safe='/')}"
-        elif name == "virtual_host":
-            if scheme != "redis+socket":
-                raise ValueError(
-                    f"virtual_host={value!r} in {shown}: in a {scheme}:// URL the database is the path "
-                    f"({scheme}://host:port/N)"
-                )
-            virtual_host = value
-            continue
-        elif name == "credential_provider":
-            raise ValueError(
-                f"credential_provider={value!r} in {shown} cannot reach redis-py through a URL: set "
-                "singleton_lock_url without it and singleton_lock_redis_options={'credential_provider': ...}"
-            )
-        elif name == "db":
-            db_in_query = True
-        query.append(segment)
-    path = parts.path
-    if scheme in ("redis", "rediss"):
-        db = unquote(path).strip("/")
-        if db and not (db.isascii() and db.isdigit()):
-            raise ValueError(f"database {db!r} in {shown} is not a number (the path of a Redis URL is its database)")
-    elif scheme == "redis+socket":
-        host = parts.netloc.rpartition("@")[2]
-        if host or not path.strip("/"):
-            raise ValueError(f"{shown} needs an absolute socket path: redis+socket:///path/to/redis.sock")
-        if virtual_host is not None and not db_in_query and virtual_host.strip("/"):
-            db = virtual_host.strip("/")
-            if not (db.isascii() and db.isdigit()):
-                raise ValueError(f"virtual_host={virtual_host!r} in {shown} is not a database number")
-            query.append(f"db={db}")
-        scheme = "unix"
-    return f"{scheme}://{parts.netloc}{path}" + (f"?{'&'.join(query)}" if query else "")

@@ -43,8 +43,7 @@ import time
 from collections.abc import Callable
 
 from ..engine import timing
-from ..engine.lock import Lock
-from ..engine.server import LockServer
+from ..engine.lock import Backend, Lock
 from ..engine.timing import DEFAULT_SOCKET_TIMEOUT, DEFAULT_TICK
 from ..exceptions import LockBackendUnavailable, LockError
 from .wheel import TimerWheel
@@ -61,7 +60,7 @@ STARVED_AFTER = 1.0
 the watchdog itself did not run in time, and the loss reason says so."""
 
 _REWARN_EVERY = 10.0  # seconds between two warnings about one server that keeps failing
-ROUND_HOOKS: list[Callable[[LockServer, float, int, int], None]] = []
+ROUND_HOOKS: list[Callable[[Backend, float, int, int], None]] = []
 """Called after each server's renewal round trip, on the watchdog's thread, with (server,
 seconds, renewed, failed): for metrics. Keep them fast."""
 
@@ -97,8 +96,8 @@ class Watchdog:
         self._deadlines: list[tuple[float, int, Lock]] = []  # a heap; stale entries are skipped
         self._seq = itertools.count()
         self._in_flight: set[Lock] = set()
-        self._twins: dict[LockServer, LockServer] = {}  # server -> its twin with short timeouts
-        self._failing: dict[LockServer, list[float]] = {}  # server -> [failing since, last warned]
+        self._twins: dict[Backend, Backend] = {}  # server -> its twin with short timeouts
+        self._failing: dict[Backend, list[float]] = {}  # server -> [failing since, last warned]
         self._suspects: set[Lock] = set()  # in a chunk that Redis refused: renewed alone until it works
         self._short_ttls_warned: set[float] = set()
         self._shortest_safe_ttl = timing.shortest_safe_ttl(self.tick, self.socket_timeout)
@@ -305,7 +304,7 @@ class Watchdog:
 
     def _round(self, due: list[Lock], round_time: float) -> None:
         """Renew what came due on one tick: one round trip per server."""
-        by_server: dict[LockServer, list[Lock]] = {}
+        by_server: dict[Backend, list[Lock]] = {}
         with self._cond:
             now = time.monotonic()
             for lock in due:
@@ -358,7 +357,7 @@ class Watchdog:
                 except Exception:
                     logger.exception("celery-singleton-lock watchdog: a round hook failed")
 
-    def _renew_on(self, server: LockServer, locks: list[Lock], chunk: int) -> list[bool | LockError]:
+    def _renew_on(self, server: Backend, locks: list[Lock], chunk: int) -> list[bool | LockError]:
         """One pipelined round trip: renew_many on the server's twin."""
         self.batches += 1
         try:
@@ -367,7 +366,7 @@ class Watchdog:
             logger.exception("celery-singleton-lock watchdog: renewing on %s raised", server.url)
             return [LockError(f"renewal on {server.url} raised {exc!r}")] * len(locks)
 
-    def _note_server(self, server: LockServer, failed: int, renewed: int, total: int, error: object) -> None:
+    def _note_server(self, server: Backend, failed: int, renewed: int, total: int, error: object) -> None:
         """Log a server's failures once when they start, then every few seconds, and its real recovery."""
         now = time.monotonic()
         streak = self._failing.get(server)
@@ -396,7 +395,7 @@ class Watchdog:
             )
         return reason
 
-    def _twin(self, server: LockServer) -> LockServer:
+    def _twin(self, server: Backend) -> Backend:
         twin = self._twins.get(server)
         if twin is None:
             twin = self._twins[server] = server.with_timeout(self.socket_timeout)

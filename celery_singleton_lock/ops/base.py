@@ -1,0 +1,151 @@
+"""What every ``celery locks`` command shares: the group, the app's lock server as its workers find
+it (:class:`Target`), one-line errors (exit status 2), and the audit line of a change.
+
+The commands themselves are in cli.py (list, show, key, release) and cli_line.py (line, drop);
+each registers on the group defined here, so neither imports the other's module but cli.py,
+which imports cli_line.py to register it (the ``celery.commands`` entry point is cli.py's group).
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import click
+from redis.exceptions import RedisError
+
+from ..engine.addresses import redact_url
+from ..engine.server import LockServer
+from ..exceptions import LockError
+from ..task import LockedTask
+from ..topologies import servers
+from ..topologies.urls import lock_source, transport_options
+from .nodes import Node, nodes_of
+from .survey import parse_key
+
+logger = logging.getLogger("celery_singleton_lock")
+
+DEFAULT_PREFIX = "singleton_lock"
+
+class CliError(click.ClickException):
+    """A one-line error, exit status 2: a bad key or argument, or a lock Redis we cannot use."""
+
+    exit_code = 2
+
+
+def fail(message: str) -> NoReturn:
+    raise CliError(message)
+
+
+# -- keys ------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """Where the app's locks live, as the workers find them."""
+
+    app: Any
+    server: LockServer
+    url: str
+    prefixes: tuple[str, ...]
+    tasks: dict[str, LockedTask]
+    nodes: list[Node]
+    """Every server to read (each master of a Cluster, each member of a quorum: see nodes.py)."""
+    majority: int = 0
+    """A quorum's majority (its verdict decides whether a key is held); 0 for any other topology."""
+
+    def run(self, what: Any, client: Any = None) -> Any:
+        """Run ``what(client)`` (the lock server's own client by default), turning Redis errors into
+        one-line errors (exit status 2)."""
+        try:
+            return what(client if client is not None else self.server.client)
+        except RedisError as exc:
+            fail(str(self.server.error(exc, "")))
+        except LockError as exc:
+            fail(str(exc))
+
+    def task_of(self, key: str) -> str:
+        try:
+            return parse_key(key, self.prefixes)
+        except ValueError as exc:
+            fail(str(exc))
+
+
+def open_target(ctx: click.Context) -> Target:
+    """The app's lock Redis, prefixes and LockedTasks (its task modules imported, as a worker does)."""
+    app = ctx.obj.app
+    try:
+        app.loader.import_default_modules()
+    except Exception as exc:
+        fail(f"cannot import the app's task modules: {type(exc).__name__}: {exc}")
+    conf = app.conf
+    try:
+        url, source = lock_source(conf)
+        transport = transport_options(conf, source)
+    except ValueError as exc:
+        fail(str(exc))
+    prefix = conf.get("singleton_lock_prefix") or DEFAULT_PREFIX
+    if not isinstance(prefix, str):
+        fail(f"setting singleton_lock_prefix must be a non-empty str, got {prefix!r}")
+    prefixes = {prefix}
+    tasks: dict[str, LockedTask] = {}
+    for name, task in sorted(app.tasks.items()):
+        if not isinstance(task, LockedTask):
+            continue
+        tasks[name] = task
+        try:
+            prefixes.add(task.lock_settings().prefix)
+        except ValueError as exc:
+            click.echo(f"warning: task {name}: {exc} (its own lock_prefix, if any, is not looked at)", err=True)
+    options = conf.get("singleton_lock_redis_options") or {}
+    if not isinstance(options, dict):
+        fail(f"setting singleton_lock_redis_options must be a dict, got {options!r}")
+    try:  # one Redis, Sentinel or Cluster, as the workers build it
+        server = servers.from_settings(url, transport_options=transport, redis_options=options)
+    except (ValueError, TypeError) as exc:
+        fail(f"cannot use the lock Redis URL {redact_url(url)}: {exc}")
+    nodes, majority = nodes_of(server)
+    return Target(app, server, server.url, tuple(sorted(prefixes)), tasks, nodes, majority)
+
+
+
+@click.group(name="locks")
+@click.pass_context
+def locks(ctx: click.Context) -> None:
+    """celery-singleton-lock: list, explain and force-release the app's locks.
+
+    Uses the app's settings (celery -A proj locks ...): the same lock Redis and
+    prefixes as its workers. Exit status: 0 done, 1 no such lock, 2 a bad key or
+    argument, or the lock Redis misconfigured or unreachable.
+    """
+
+
+
+def who_am_i() -> str:
+    """user@host (pid N): who force-released a lock, for the log."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # no name for this uid (a container)
+        user = f"uid {os.getuid()}" if hasattr(os, "getuid") else "unknown"
+    return f"user {user} on host {socket.gethostname()} (pid {os.getpid()})"
+
+
+
+def audit(line: str) -> None:
+    """The force-release's WARNING line on logger celery_singleton_lock: where the app's logging
+    sends it, else to stderr as a dated log line (not Python's bare last-resort message)."""
+    if logger.hasHandlers():
+        logger.warning("%s", line)
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s: %(levelname)s/%(name)s] %(message)s"))
+    logger.addHandler(handler)
+    try:
+        logger.warning("%s", line)
+    finally:
+        logger.removeHandler(handler)
+
