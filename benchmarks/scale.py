@@ -48,7 +48,7 @@ def evalsha_calls(client: redis.Redis) -> int:
 
 def hold_ours(args: argparse.Namespace) -> dict:
     from celery_singleton_lock.engine.server import LockServer
-    from celery_singleton_lock.watchdog.renewer import get_watchdog
+    from celery_singleton_lock.watchdog.process import get_watchdog
 
     logging.basicConfig(level=logging.WARNING)
     server = LockServer.from_url(args.lock_url)
@@ -172,7 +172,7 @@ def _cleanup(client: redis.Redis, keys: list[str]) -> None:
 def lost_latency(args: argparse.Namespace) -> dict:
     """From an outside DEL to ``.lost`` True, for locks deleted at random points of their renewal period."""
     from celery_singleton_lock.engine.server import LockServer
-    from celery_singleton_lock.watchdog.renewer import get_watchdog
+    from celery_singleton_lock.watchdog.process import get_watchdog
 
     logging.getLogger("celery_singleton_lock").setLevel(logging.CRITICAL)
     server = LockServer.from_url(args.lock_url)
@@ -224,7 +224,7 @@ def micro(args: argparse.Namespace) -> dict:
 
     from celery_singleton_lock import config, keys
     from celery_singleton_lock.engine.server import LockServer
-    from celery_singleton_lock.watchdog.renewer import get_watchdog
+    from celery_singleton_lock.watchdog.process import get_watchdog
 
     def run(i: int) -> int:
         return i
@@ -393,7 +393,7 @@ def topology_cost(args: argparse.Namespace) -> dict:
         dog.track(lock)
     time.sleep(args.ttl)  # settle: every lock renewed at least once
     def pipelines() -> int:  # the watchdog renews through its short-timeout twin of the cluster server
-        return sum(getattr(twin, "pipelines_sent", 0) for twin in dog._twins.values())
+        return sum(getattr(twin, "pipelines_sent", 0) for twin in cluster._twins.values())
 
     sent0, cpu0, t0s = pipelines(), time.process_time(), time.monotonic()
     time.sleep(args.seconds)

@@ -29,7 +29,8 @@ from .policies import WAITING
 from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
 from .task import LockedTask
 from .topologies.plain import held
-from .watchdog.renewer import Watchdog, get_watchdog
+from .watchdog.process import get_watchdog
+from .watchdog.renewer import Watchdog
 
 __all__ = [
     "LockedTask",

@@ -65,7 +65,7 @@ from . import config
 from .engine.lock import Holder, Lock, check_ttl, slot_safe
 from .engine.server import LockServer
 from .exceptions import LockError
-from .watchdog.renewer import get_watchdog
+from .watchdog.process import get_watchdog
 
 if TYPE_CHECKING:
     from celery.beat import Scheduler as _Base
@@ -101,15 +101,6 @@ class BeatSettings:
         return slot_safe(self.key) + ":runs"
 
 
-class _AppOnly:
-    """What :func:`config.resolve` reads of a task, for the app as a whole (no task options)."""
-
-    name = "celery beat"
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-
 def beat_settings(app: Any) -> BeatSettings:
     """Read and check the beat settings; a bad one raises ValueError naming the setting and value.
 
@@ -118,7 +109,7 @@ def beat_settings(app: Any) -> BeatSettings:
     workers' locks share one Redis.
     """
     conf = app.conf
-    lock_settings = config.resolve(_AppOnly(app))
+    lock_settings = config.app_settings(app)
     raw_ttl = conf.get("singleton_lock_beat_ttl")
     ttl = DEFAULT_TTL if raw_ttl is None else check_ttl(raw_ttl, "setting singleton_lock_beat_ttl")
     raw_poll = conf.get("singleton_lock_beat_poll")

@@ -21,7 +21,8 @@ from typing import Any
 from .engine import line as queue
 from .engine.addresses import redact_url
 from .engine.lock import check_ttl
-from .engine.server import DEFAULT_REPLICA_TIMEOUT, DEFAULT_TURN_TIMEOUT, LockServer
+from .engine.plumbing import DEFAULT_REPLICA_TIMEOUT
+from .engine.server import DEFAULT_TURN_TIMEOUT, LockServer
 from .keys import KeySpec
 from .topologies import servers
 from .topologies.urls import lock_source, transport_options
@@ -202,6 +203,21 @@ def resolve(task: Any) -> LockSettings:
         turn_timeout=check_ttl(_or(conf.get("singleton_lock_turn_timeout"), DEFAULT_TURN_TIMEOUT),
                                "setting singleton_lock_turn_timeout"),
     )
+
+
+class _AppOnly:
+    """What :func:`resolve` reads of a task, for the app as a whole (no task options)."""
+
+    name = "the app"
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+
+def app_settings(app: Any) -> LockSettings:
+    """The settings of ``app`` as a whole (no task's options): what beat's leader lock and the operators'
+    commands use, resolved exactly as a task's are."""
+    return resolve(_AppOnly(app))
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -29,20 +29,14 @@ from celery import Celery
 from kombu.serialization import dumps, loads
 
 from . import turns
+from .engine import layout
 from .engine.lock import Handoff
 from .engine.server import HandoffSender, LockServer
+from .headers import ENTRY, EXPIRED, PARKED_AT, QUEUE, RECOVERED
 
 logger = logging.getLogger("celery_singleton_lock")
 
-HEADER_PREFIX = "singleton_lock_"
-ENTRY = HEADER_PREFIX + "entry"
-RECOVERED = HEADER_PREFIX + "recovered"
-EXPIRED = HEADER_PREFIX + "expired"
-PARKED_AT = HEADER_PREFIX + "parked_at"
-"""When it FIRST parked (epoch seconds): its ``lock_max_wait`` counts from there, whatever re-parks
-follow; also how long it waited, for metrics."""
-QUEUE = HEADER_PREFIX + "queue"
-"""The queue it was first delivered from: its turn goes to that queue's turns queue."""
+
 
 
 def pack(task: Any, request: Any, args: Any, kwargs: Any) -> bytes:
@@ -93,8 +87,8 @@ def send(server: LockServer, handoff: Handoff) -> bool:
 
     False when no app of this process knows the task: then a sweeper elsewhere sends it.
     """
-    content_type, encoding, data = handoff.message.split(b"\n", 2)
-    body = loads(data, content_type.decode(), encoding.decode(), accept=[content_type.decode()])
+    content_type, encoding, data = layout.split_message(handoff.message)
+    body = loads(data, content_type, encoding, accept=[content_type])
     app = _apps.get(body.get("task"))
     if app is None:
         logger.info("lock %s: no app in this process sends task %s; left for a sweeper", handoff.key, body.get("task"))

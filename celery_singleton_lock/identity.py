@@ -29,6 +29,7 @@ from celery.states import READY_STATES, STARTED, SUCCESS
 from . import handoff
 from .decide import Found
 from .engine.lock import Done, Holder, Lock, Verdict
+from .headers import ENTRY
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -78,7 +79,7 @@ def ran_since_park(task: Any, request: Any) -> bool:
     if meta is None:
         return False
     status = meta.get("status")
-    entry = (request.headers or {}).get(handoff.ENTRY)
+    entry = (request.headers or {}).get(ENTRY)
     info = meta.get("result")
     if status == STARTED:
         return isinstance(info, dict) and entry is not None and info.get("entry") == entry
@@ -107,7 +108,7 @@ def _when(value: Any) -> float | None:
 def mark_started(task: Any, request: Any, track_started: bool) -> None:
     """STARTED, once the lock is taken: for ``track_started``, and always for a waiting task's copy,
     naming its entry (what :func:`ran_since_park` reads after a loss of the lock Redis)."""
-    entry = (request.headers or {}).get(handoff.ENTRY)
+    entry = (request.headers or {}).get(ENTRY)
     if not (track_started or entry) or request.is_eager or get_actual_ignore_result(task, request):
         return
     meta: dict[str, Any] = {"pid": os.getpid(), "hostname": request.hostname}

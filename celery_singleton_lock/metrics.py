@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any
 
-from . import handoff
+from .headers import PARKED_AT
 from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
 from .watchdog import renewer as watchdog
 
@@ -109,7 +109,7 @@ def _on_acquired(sender: Any = None, key: str = "", task_id: str = "", **_: Any)
     _m["acquired"].labels(task).inc()
     _m["held"].labels(task).inc()
     _held_since[(key, task_id)] = time.monotonic()
-    parked_at = ((getattr(getattr(sender, "request", None), "headers", None) or {}).get(handoff.PARKED_AT))
+    parked_at = ((getattr(getattr(sender, "request", None), "headers", None) or {}).get(PARKED_AT))
     if isinstance(parked_at, (int, float)):
         _m["wait"].labels(task).observe(max(0.0, time.time() - parked_at))
 

@@ -17,7 +17,6 @@ from celery.exceptions import Ignore, Retry
 
 from . import config, handoff
 from .decide import Action
-from .engine import faults
 from .engine import line as queue
 from .engine import sweeper as sweeping
 from .engine.lock import Done, Holder, Verdict
@@ -30,6 +29,7 @@ from .exceptions import (
     LockWaitTimeout,
     SelfDeadlock,
 )
+from .headers import BACKOFF, ENTRY, REDELIVERED, TOKEN, UNREACHABLE
 from .signals import duplicate_skipped
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -38,15 +38,7 @@ WAITING = "WAITING"
 """The result state of a task parked in a key's line (not ready; it becomes the task's own
 end state once its turn came and it ran)."""
 
-UNREACHABLE = handoff.HEADER_PREFIX + "unreachable"
-"""Message header counting re-sends because the lock Redis was unreachable."""
-BACKOFF = handoff.HEADER_PREFIX + "backoff"
-REDELIVERED = handoff.HEADER_PREFIX + "redelivered"
-"""On a re-send of a broker redelivery (a quorum has no line to park it in): the copy keeps its
-identity, so it is dropped once the running task succeeded rather than run again as new work."""
-"""Message header counting re-sends of the "backoff" duplicate policy."""
-TOKEN = handoff.HEADER_PREFIX + "token"
-"""Message header carrying the token of an acquire whose reply was lost."""
+
 
 
 
@@ -70,7 +62,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     place = queue.park(
         server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
         owner_id=request.id, message=message, first=first,
-        again=(request.headers or {}).get(handoff.ENTRY) == entry,
+        again=(request.headers or {}).get(ENTRY) == entry,
         redelivered=bool((request.delivery_info or {}).get("redelivered")),
     )
     if not place:
@@ -79,7 +71,6 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         refuse(task, Action.DROP, request, settings, key, Verdict.ENTRY_GONE)
     already = isinstance(place, queue.AlreadyParked)  # a redelivery of a parked message whose ack was lost
     if not already:
-        faults.kill_at("parked")  # TEST-ONLY: the message lives on only in the key's line
         try:
             queue.announce(server, settings.index, key)
         except LockError as exc:  # the line still moves on releases; only a dead holder needs the sweeper

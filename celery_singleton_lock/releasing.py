@@ -14,7 +14,8 @@ from celery import Task
 from kombu.serialization import dumps, loads
 
 from . import config
-from .engine.lock import Backend, Lock
+from .engine import layout
+from .engine.lock import Lock
 from .exceptions import LockBackendRefused, LockBackendUnavailable, LockError
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -26,7 +27,7 @@ def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remem
     Redis never answered. A retry after a timed-out try that did execute finds the key gone, or handed by
     that try to the next waiter (RELEASE knows its own hand-off): both count as deleted, and a waiter
     that try handed the key to is sent by the retry, not one reservation later."""
-    server = release_twin(lock.server, settings.release_timeout)
+    server = lock.server.with_timeout(settings.release_timeout)  # a stalled Redis must not hold the task
     for attempt in (1, 2):
         try:
             status = server.release(lock, succeeded=succeeded, remember=remember, value=value,
@@ -43,16 +44,6 @@ def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remem
     logger.error("lock %s could not be released; it expires within %gs", lock.key, lock.ttl)
     return None
 
-
-_twins: dict[tuple[Backend, float], Backend] = {}
-
-
-def release_twin(server: Backend, timeout: float) -> Backend:
-    """The server's twin with the release's short socket timeout (a stalled Redis must not hold the task)."""
-    twin = _twins.get((server, timeout))
-    if twin is None:
-        twin = _twins[(server, timeout)] = server.with_timeout(timeout)
-    return twin
 
 
 def may_be_redelivered(task: Task, request: Any) -> bool:
@@ -77,6 +68,5 @@ def pack_value(task: Task, value: Any) -> bytes:
 
 
 def unpack_value(raw: bytes) -> Any:
-    content_type, encoding, data = raw.split(b"\n", 2)
-    ctype = content_type.decode()
-    return loads(data, ctype, encoding.decode(), accept=[ctype])
+    content_type, encoding, data = layout.split_message(raw)
+    return loads(data, content_type, encoding, accept=[content_type])

@@ -37,13 +37,15 @@ from celery.states import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS
 
 from . import config, handoff, identity, keys, options, policies, releasing
 from .decide import Action, Delivery, decide
-from .engine import faults, reentry, timing
 from .engine import line as queue
+from .engine import reentry, timing
 from .engine.lock import Done, Holder, Lock
 from .engine.server import LockServer
 from .exceptions import LockBackendUnavailable, LockError, LockWaitTimeout
+from .headers import ENTRY, EXPIRED, RECOVERED, REDELIVERED, TOKEN
+from .headers import PREFIX as HEADER_PREFIX
 from .signals import lock_acquired, lock_lost, lock_released
-from .watchdog.renewer import get_watchdog
+from .watchdog.process import get_watchdog
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -185,7 +187,7 @@ class LockedTask(Task):
         sig = super().signature_from_request(request, args, kwargs, queue, **extra_options)
         headers = sig.options.get("headers")
         if headers:
-            sig.options["headers"] = {k: v for k, v in headers.items() if not k.startswith(handoff.HEADER_PREFIX)}
+            sig.options["headers"] = {k: v for k, v in headers.items() if not k.startswith(HEADER_PREFIX)}
         return sig
 
     # -- acquire -------------------------------------------------------------------
@@ -196,13 +198,13 @@ class LockedTask(Task):
         request = self.request
         headers = request.headers or {}
         key = keys.derive(settings.prefix, self.name, self._lock_signature, args, kwargs, self.lock_key)
-        if headers.get(handoff.EXPIRED):
+        if headers.get(EXPIRED):
             raise LockWaitTimeout(key, settings.max_wait)
         server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
-        resent = bool(headers.get(policies.REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
+        resent = bool(headers.get(REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
         redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
-        entry = headers.get(handoff.ENTRY) or None
-        retake = headers.get(policies.TOKEN) or ""  # a lost attempt's token: taken back under a new one
+        entry = headers.get(ENTRY) or None
+        retake = headers.get(TOKEN) or ""  # a lost attempt's token: taken back under a new one
         token = secrets.token_hex(16)
         who: Delivery | None = None
         while True:
@@ -218,16 +220,7 @@ class LockedTask(Task):
             if type(outcome) is Lock:  # the common case, first: no table to consult
                 return self._run_with(outcome, request, settings)
             if who is None:
-                who = Delivery(
-                    policy=settings.on_duplicate,
-                    eager=bool(request.is_eager),
-                    redelivered=redelivered,
-                    never_ran=not resent and identity.never_ran(self, request, redelivered and entry is None),
-                    handoff=entry is not None and not headers.get(handoff.RECOVERED),
-                    recovered=bool(headers.get(handoff.RECOVERED)),
-                    retry=bool(request.retries),
-                    line=server.supports_line,
-                )
+                who = self._delivery(request, settings, server, redelivered, resent, entry)
             if isinstance(outcome, Holder):
                 who = replace(who, holder_on_stack=self._on_my_stack(outcome.owner_id))
             action = decide(identity.found(self, request, outcome, who.recovered), who)
@@ -236,22 +229,13 @@ class LockedTask(Task):
                 return self._run_with(outcome, request, settings)
             if action is Action.REPLAY:  # it ran to its end, and died before Celery stored the result
                 assert isinstance(outcome, Done)
-                request.__dict__[_REPLAY] = releasing.unpack_value(outcome.value)
-                logger.warning("task %s[%s] already succeeded but its result was never stored: storing its "
-                               "recorded value and sending its callbacks, without running it again", self.name,
-                               task_id)
-                return None
+                return self._replay(request, outcome)
             if action is Action.AGAIN:  # its entry is gone but its run never happened or ended: as a redelivery
                 entry, redelivered = None, True
                 who = Delivery(policy=settings.on_duplicate, redelivered=True, line=server.supports_line)
                 continue
             if action is Action.REENTER:
-                lock = self._lock_on_stack(key)
-                lock.ensure()  # as reentry.again: no nested run under a lock already known lost
-                lock.depth += 1  # one more nested hold of the one lock; the outermost releases
-                request.__dict__[HANDLE] = lock
-                request.__dict__[_REENTERED] = True
-                return None
+                return self._reenter(request, key)
             if action is Action.WAIT_HERE:
                 got = queue.wait_turn(server, key, settings.ttl, owner_id=task_id, wait=settings.max_wait)
                 if isinstance(got, Lock):
@@ -267,12 +251,41 @@ class LockedTask(Task):
                 continue
             policies.refuse(self, action, request, settings, key, outcome)
 
+    def _delivery(self, request: Any, settings: config.LockSettings, server: Any, redelivered: bool,
+                  resent: bool, entry: str | None) -> Delivery:
+        """What this delivery is, for the decision table (looked up once, at the first refusal)."""
+        headers = request.headers or {}
+        return Delivery(
+            policy=settings.on_duplicate,
+            eager=bool(request.is_eager),
+            redelivered=redelivered,
+            never_ran=not resent and identity.never_ran(self, request, redelivered and entry is None),
+            handoff=entry is not None and not headers.get(RECOVERED),
+            recovered=bool(headers.get(RECOVERED)),
+            retry=bool(request.retries),
+            line=server.supports_line,
+        )
+
+    def _replay(self, request: Any, outcome: Done) -> None:
+        """It ran to its end and died before Celery stored the result: store its recorded value and
+        send its callbacks (``__call__`` returns the value), without running the body again."""
+        request.__dict__[_REPLAY] = releasing.unpack_value(outcome.value)
+        logger.warning("task %s[%s] already succeeded but its result was never stored: storing its "
+                       "recorded value and sending its callbacks, without running it again", self.name, request.id)
+
+    def _reenter(self, request: Any, key: str) -> None:
+        """A nested call of this task for the key its caller, up this stack, holds: one more hold of
+        the one lock (reentry.again, entered here and left when this execution ends)."""
+        nested = reentry.again(self._lock_on_stack(key))
+        request.__dict__[HANDLE] = nested.__enter__()
+        request.__dict__[_REENTERED] = nested
+
     def _run_with(self, lock: Lock, request: Any, settings: config.LockSettings) -> None:
         setattr(request, HANDLE, lock)  # from here on, __call__ (or task_postrun) releases it
         reentry.register(lock)  # held(..., owner_id=<task id>) in the body re-enters it
         get_watchdog(**settings.watchdog_options).track(lock, partial(_announce_lost, self, request.id))
         lock_acquired.send(sender=self, key=lock.key, task_id=request.id, lock=lock)
-        if self.lock_track_started or handoff.ENTRY in (request.headers or ()):
+        if self.lock_track_started or ENTRY in (request.headers or ()):
             identity.mark_started(self, request, self.lock_track_started)
 
     def _on_my_stack(self, owner_id: str | None) -> bool:
@@ -336,9 +349,10 @@ class LockedTask(Task):
         lock: Lock | None = request.__dict__.get(HANDLE)
         if lock is None:
             return
-        if request.__dict__.pop(_REENTERED, False):
-            lock.depth -= 1
-            request.__dict__.pop(HANDLE, None)  # the outer execution releases it
+        nested = request.__dict__.pop(_REENTERED, None)
+        if nested is not None:
+            nested.__exit__(None, None, None)  # one hold off: the outer execution releases it
+            request.__dict__.pop(HANDLE, None)
             return
         if lock.pid != os.getpid():
             request.__dict__.pop(HANDLE, None)  # the parent process releases it
@@ -352,8 +366,6 @@ class LockedTask(Task):
         packed = releasing.pack_value(self, value) if remember and not get_actual_ignore_result(self, request) else b""
         status = releasing.release(lock, settings, succeeded=state == SUCCESS, remember=remember, value=packed,
                                    retries=request.retries or 0)
-        if faults.KILL_AT:  # TEST-ONLY: after the release, before Celery stores the result
-            faults.kill_at("released")
         deleted = status == 1
         if status == -1 and not lock.lost:
             lock.mark_lost(f"found at release: another holder has the key (task {request.id} ended {state})")

@@ -15,7 +15,7 @@ from .engine import persistence
 from .engine import sweeper as sweeping
 from .engine.server import LockServer
 from .exceptions import LockKeyError
-from .watchdog.renewer import shutdown_watchdog
+from .watchdog.process import shutdown_watchdog
 
 logger = logging.getLogger("celery_singleton_lock")
 

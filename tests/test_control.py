@@ -26,7 +26,8 @@ import redis
 from _task_support import ROOT, collect_results  # noqa: F401 - autouse: gc while Redis runs
 
 from celery_singleton_lock import held
-from celery_singleton_lock.ops.control import SnapshotWriter, _make_private_dir, inspect_locks, snapshot_dir
+from celery_singleton_lock.ops.control import inspect_locks
+from celery_singleton_lock.ops.snapshots import SnapshotWriter, _make_private_dir, snapshot_dir
 from celery_singleton_lock.testing.servers import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -7,7 +7,7 @@ Against real redis-servers and real ``celery worker`` subprocesses (prefork):
 2. A chain and a chord through a waiting task carry on with the right values.
 3. Every SIGKILL point loses no waiter and runs none twice: the holder mid-body, a waiter right
    after it parked, the releaser between the release script and the publish (hooks: the
-   CSL_TEST_KILL_AT environment variable, see server.py and task.py).
+   CSL_TEST_KILL_AT environment variable, see tests/apps/kill_points.py).
 4. A restart of the lock Redis (its data gone) with waiters parked: each runs once, soon.
 5. A line that does not move: LockWaitTimeout (FAILURE) and the errback fires.
 6. Plain ``held(..., wait=...)``: FIFO, woken by the release, a timed-out waiter leaves the line,

@@ -36,9 +36,11 @@ from conftest import make_app
 
 from celery_singleton_lock import LockError, LockServer, SelfDeadlock, held
 from celery_singleton_lock import config as csl_config
-from celery_singleton_lock.engine.lock import Lock, redact_url
+from celery_singleton_lock.engine.addresses import redact_url
+from celery_singleton_lock.engine.lock import Lock
 from celery_singleton_lock.testing.servers import Monitor, RedisServer, wait_until
-from celery_singleton_lock.watchdog.renewer import Watchdog, get_watchdog
+from celery_singleton_lock.watchdog.process import get_watchdog
+from celery_singleton_lock.watchdog.renewer import Watchdog
 
 pytestmark = pytest.mark.timeout(60)
 

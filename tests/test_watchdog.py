@@ -24,7 +24,8 @@ from celery_singleton_lock.engine.scripts import RELEASE, RENEW_MANY
 from celery_singleton_lock.engine.server import LockServer
 from celery_singleton_lock.exceptions import LockError, LockLost
 from celery_singleton_lock.testing.servers import Monitor, RedisServer, wait_until
-from celery_singleton_lock.watchdog.renewer import Watchdog, get_watchdog, shutdown_watchdog
+from celery_singleton_lock.watchdog.process import get_watchdog, shutdown_watchdog
+from celery_singleton_lock.watchdog.renewer import Watchdog
 
 RENEW_SHA = hashlib.sha1(RENEW_MANY.encode()).hexdigest()
 RELEASE_SHA = hashlib.sha1(RELEASE.encode()).hexdigest()

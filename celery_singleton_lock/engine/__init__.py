@@ -1,8 +1,8 @@
 """The engine: exclusion on one Redis, knowing nothing of Celery.
 
-The lock handle (``lock``), one server's operations, one round trip each (``server``),
-every Lua script (``scripts``), the waiting line and its sweeper (``line``, ``sweeper``,
-``line_ops``), and the small rooms they share (``wire``, ``timing``, ``notify``,
-``refusals``, ``reentry``, ``persistence``, ``faults``). Nothing here imports celery or
-kombu (an import-linter contract checks it).
+The lock handle (``lock``), one server's operations, one round trip each (``server``, on
+``plumbing``), every Lua script (``scripts``), the waiting line and its sweeper (``line``,
+``sweeper``, ``line_ops``), and the small rooms they share (``layout``, ``wire``, ``timing``,
+``notify``, ``refusals``, ``reentry``, ``persistence``, ``addresses``). Nothing here imports
+celery or kombu (an import-linter contract checks it).
 """

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from ..exceptions import LockError
-from . import scripts
+from . import layout, scripts
 from .lock import Handoff, Holder, Lock, Verdict, ms, slot_safe
 from .server import LockServer
 
@@ -153,11 +153,11 @@ def line(server: LockServer, name: str) -> list[str]:
     """The owner ids of ``name``'s waiters, next first (for operators and tests)."""
     key = slot_safe(name)
     try:
-        entries = server.client.lrange(key + ":q", 0, -1)
-        records = server.client.hmget(key + ":w", entries) if entries else []
+        entries = server.client.lrange(layout.line(key), 0, -1)
+        records = server.client.hmget(layout.waiters(key), entries) if entries else []
     except RedisError as exc:
         raise server.error(exc, key) from exc
-    return [rec.split(b"\n", 4)[3].decode() for rec in records if isinstance(rec, bytes)]
+    return [layout.Waiter.parse(rec).owner for rec in records if isinstance(rec, bytes)]
 
 
 def index_key(prefix: str) -> str:
@@ -214,7 +214,7 @@ def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None
             expiry = (last.ttl_ms / 1000 if last is not None and last.ttl_ms > 0 else LONGEST_BLOCK) + 0.05
             block = max(0.01, min(left, expiry, LONGEST_BLOCK))
             try:
-                server.client.blpop([slot_safe(name) + ":wake:" + entry], timeout=block)
+                server.client.blpop([layout.wake(slot_safe(name), entry)], timeout=block)
             except RedisError as exc:
                 raise server.error(exc, name) from exc
     finally:

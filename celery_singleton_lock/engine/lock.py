@@ -21,7 +21,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from ..exceptions import LockError, LockLost
-from . import notify, reentry, timing
+from . import layout, notify, reentry, timing
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -247,8 +247,8 @@ class Handoff:
     @classmethod
     def parse(cls, key: str, item: Sequence[Any]) -> Handoff:
         what, entry, record = (x if isinstance(x, bytes) else str(x).encode() for x in item)
-        head, _deadline, ttl, owner, message = record.split(b"\n", 4)
-        return cls(key, what.decode(), entry.decode(), chr(head[0]), owner.decode(), int(ttl), message)
+        waiter = layout.Waiter.parse(record)
+        return cls(key, what.decode(), entry.decode(), waiter.kind, waiter.owner, waiter.ttl_ms, waiter.message)
 
 
 @dataclass(frozen=True)

@@ -1,44 +1,8 @@
 """The Lua scripts: every change to the lock and its waiting line is one of these.
 
-Layout in Redis for a lock named ``K`` (``K`` carries a cluster hash tag, so
-every key below lives in K's hash slot and no script touches two slots):
-
-``K``
-    the lock: ``"<token> <fence> <json: owner, host, pid>"`` with a PX expiry;
-    or, while it is being handed to a waiter, a reservation
-    ``"~<entry> 0 <json: owner, reserved>"`` that only that waiter can claim.
-    The fence is the server clock in microseconds when the lock was taken.
-``K:q``
-    the waiting line: a LIST of entry ids, first in line at the head.
-``K:w``
-    the waiters: a HASH entry id -> ``"<kind><state>\\n<deadline ms>\\n<ttl ms>\\n<owner>\\n<message>"``.
-    kind ``t`` a parked task (message: the task message to send again),
-    ``s`` a redelivered copy of the running task (dropped if it succeeds),
-    ``p`` plain code blocked in ``held(..., wait=...)`` (woken through
-    ``K:wake:<entry>``); state ``p`` parked, ``h`` handed the key (its
-    message not yet known to be sent: the reservation lasts one lock TTL, then
-    the sweeper sends it again), ``c`` handed and sent (the reservation lasts
-    until the copy arrives, up to the turn timeout; then the key passes on,
-    and the record stays, out of the line, until its deadline).
-``K:g``
-    tombstones: a ZSET entry id -> when it left the line for good (kept ten
-    minutes), so a process that parked it tells "it left" from "it was lost".
-``K:d``
-    done records, only for tasks that can be redelivered after success
-    (``acks_late``): a ZSET owner id -> until when (ms) to drop its redeliveries.
-``K:d:<owner id>``
-    what that owner's body returned (``"<content type>\n<encoding>\n<data>"``,
-    the task's result serializer), kept as long as its done record: a redelivery
-    that finds the result never stored (the process died between the release and
-    Celery's store) stores this value and sends the chain without running the body.
-
-Every key expires on its own: nothing is left behind once a lock is released
-and its line is empty. Times in the line are the server's clock (ms), so every
-client agrees on them.
-
-Outside the slot, for the sweeper (see queue.py): ``<prefix>:{waiting}``, a
-ZSET of lock keys that have waiters, scored by when to look at them next, and
-``<prefix>:{waiting}:epoch``, which changes when the lock Redis lost its data.
+Where each key lives and what its records hold is :mod:`celery_singleton_lock.engine.layout`
+(the one place that knows the layout); the scripts' keys follow it: ``KEYS`` lock, line,
+waiters, done (``layout.lock_keys``).
 """
 
 from __future__ import annotations

@@ -21,18 +21,16 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
-    NoScriptError,
     RedisError,
-    ResponseError,
 )
 from redis.retry import Retry
 
 from ..exceptions import LockBackendUnavailable, LockError
-from . import faults, refusals, scripts, wire
+from . import layout, scripts, wire
 from .addresses import redact_url
 from .lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
+from .plumbing import DEFAULT_REPLICA_TIMEOUT, ScriptClient, Unreplicated
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -44,23 +42,10 @@ DEFAULT_TURN_TIMEOUT = 300.0
 """Seconds the key stays reserved for a waiter whose turn was sent, until its copy arrives
 (``singleton_lock_turn_timeout``): then it passes to the next waiter."""
 
-DEFAULT_REPLICA_TIMEOUT = 1.0
-"""Seconds an acquire waits for ``min_replicas`` replicas to acknowledge it (Redis WAIT)."""
-
-
-class Unreplicated(Exception):
-    """A script ran, but fewer replicas than ``min_replicas`` acknowledged its writes in time (internal)."""
-
-    def __init__(self, reply: Any, acked: int) -> None:
-        super().__init__(f"{acked} replica(s) acknowledged")
-        self.reply = reply
-        self.acked = acked
-
-
 HandoffSender = Callable[["LockServer", Handoff], bool]
 
 
-class LockServer:
+class LockServer(ScriptClient):
     """The lock operations against one Redis server.
 
     Create one per URL and process and share it: it holds a connection pool
@@ -84,14 +69,10 @@ class LockServer:
 
     def __init__(self, client: redis.Redis, *, url: str | None = None, min_replicas: int = 0,
                  replica_timeout: float = DEFAULT_REPLICA_TIMEOUT) -> None:
-        self.client = client
-        self.url = url or _describe(client)
-        self._shas: dict[str, str] = {}
-        self._held = threading.local()  # each thread's own connection, taken from the pool and kept
+        super().__init__(client, url=url, min_replicas=min_replicas, replica_timeout=replica_timeout)
         self.send_handoff: HandoffSender | None = None
         self.turn_timeout = DEFAULT_TURN_TIMEOUT
-        self.min_replicas = min_replicas
-        self.replica_timeout = replica_timeout
+        self._twins: dict[float, LockServer] = {}  # seconds -> its twin (with_timeout)
 
     @classmethod
     def from_url(cls, url: str, **client_options: Any) -> LockServer:
@@ -105,14 +86,17 @@ class LockServer:
         self.client.connection_pool.disconnect()
 
     def with_timeout(self, seconds: float) -> LockServer:
-        """A twin on its own connections whose commands time out after ``seconds``, without retries.
+        """The twin on its own connections whose commands time out after ``seconds``, without retries:
+        made once per server and timeout (the watchdog's, the release's), and kept here.
 
         Its WAIT for replicas (if any) is cut to half of ``seconds``, so a missing
         replica answers "not acknowledged" before the socket times out.
         """
-        twin = self._twin(seconds)
-        twin._shas = self._shas  # same server, same scripts
-        twin.send_handoff = self.send_handoff
+        twin = self._twins.get(seconds)
+        if twin is None:
+            twin = self._twins.setdefault(seconds, self._twin(seconds))
+            twin._shas = self._shas  # same server, same scripts
+        twin.send_handoff = self.send_handoff  # what the server has now (a task sets it after creating it)
         twin.turn_timeout = self.turn_timeout
         twin.min_replicas = self.min_replicas
         twin.replica_timeout = min(self.replica_timeout, seconds / 2)
@@ -128,101 +112,15 @@ class LockServer:
             url=self.url,
         )
 
-    # -- script plumbing -------------------------------------------------
-
-    def _sha(self, script: str) -> str:
-        sha = self._shas.get(script)
-        if sha is None:
-            sha = self._shas[script] = self.client.script_load(script)
-        return sha
-
-    def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False) -> Any:
-        """EVALSHA, loading the script once and again after NOSCRIPT (restart, SCRIPT FLUSH, failover).
-
-        ``replicated``: with ``min_replicas``, also WAIT for the replicas in the
-        same round trip; :class:`Unreplicated` (carrying the script's reply) if
-        too few acknowledged in time.
-        """
-        wait = replicated and self.min_replicas > 0
-        try:
-            try:
-                return self._call(self._sha(script), keys, args, wait)
-            except NoScriptError:
-                self._shas.pop(script, None)
-                return self._call(self._sha(script), keys, args, wait)
-        except RedisError as exc:
-            raise self.error(exc, keys[0]) from exc
-
-    def _packed(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool) -> bytes:
-        data = wire.pack(sha, keys, args)
-        return data + wire.pack_wait(self.min_replicas, ms(self.replica_timeout)) if wait else data
-
-    def _read(self, conn: Any, wait: bool) -> Any:
-        """The script's reply (and, with ``wait``, the WAIT's: both are always read off the wire)."""
-        try:
-            reply = conn.read_response()
-        except ResponseError:
-            if wait:
-                try:
-                    conn.read_response()
-                except ResponseError:
-                    pass
-            raise
-        if wait:
-            acked = int(conn.read_response())
-            if acked < self.min_replicas:
-                raise Unreplicated(reply, acked)
-        return reply
-
-    def _call(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool = False) -> Any:
-        """One EVALSHA, packed here and sent on this thread's own connection.
-
-        redis-py's generic command path (pool checkout, packing, response
-        callbacks) costs about as much as the round trip itself; the lock's hot
-        path is two commands per task, so it takes the short way: a connection
-        this thread keeps (a forked child takes a new one), the command packed in
-        one join. A connection found broken is replaced and the command sent once
-        more: a command that never reached a live server is safe to repeat, and
-        both acquire (by its token) and release are safe even if it did. A timeout
-        is not retried: the caller decides.
-
-        Under Sentinel the connection asks the Sentinels for the master whenever
-        it (re)connects, and a READONLY reply (a demoted master) disconnects it:
-        the second send goes to the new master. With ``wait`` a ``WAIT`` follows
-        the script in the same write, and both replies are read.
-        """
-        data = self._packed(sha, keys, args, wait)
-        conn = self._held_conn()
-        try:
-            conn.send_packed_command([data], check_health=False)
-            return self._read(conn, wait)
-        except RedisConnectionError:
-            conn.disconnect()
-            conn.connect()  # not left to send_packed_command: that one skips Sentinel's master lookup
-            conn.send_packed_command([data], check_health=False)
-            return self._read(conn, wait)
-
-    def error(self, exc: Exception, key: str) -> LockError:
-        """Our error for a redis-py one: transient (try again) or a refusal (fix something)."""
-        return refusals.classify(exc, self.url, key)
-
     @staticmethod
     def keys_for(key: str) -> tuple[str, str, str, str]:
-        return key, key + ":q", key + ":w", key + ":d"
+        return layout.lock_keys(key)
 
     # -- operations ------------------------------------------------------
 
-    def acquire(
-        self,
-        name: str,
-        ttl: float,
-        *,
-        owner_id: str | None = None,
-        token: str | None = None,
-        entry: str | None = None,
-        check_done: bool = False,
-        retake: str | None = None,
-    ) -> Lock | Holder | Verdict | Done:
+    def acquire(self, name: str, ttl: float, *, owner_id: str | None = None, token: str | None = None,
+                entry: str | None = None, check_done: bool = False,
+                retake: str | None = None) -> Lock | Holder | Verdict | Done:
         """Try once to take ``name``, in one round trip.
 
         Returns the :class:`Lock` when taken; the :class:`Holder` when another
@@ -255,12 +153,8 @@ class LockServer:
         except Unreplicated as short:
             reply = short.reply
             if int(reply[0]) == 1:
-                self._give_back(Lock(self, key, token, int(reply[1]), ttl, owner_id, confirmed_at=sent))
-                raise LockBackendUnavailable(
-                    self.url, f"only {short.acked} of the {self.min_replicas} replica(s) required "
-                    f"(singleton_lock_min_replicas) acknowledged the lock within {self.replica_timeout:g}s: "
-                    "a failover could lose it, so it was given back and the task does not run unlocked",
-                )
+                self._give_back_unreplicated(Lock(self, key, token, int(reply[1]), ttl, owner_id,
+                                                  confirmed_at=sent), short.acked)
         status = int(reply[0])
         if status == 1:
             lock = Lock(self, key, token, int(reply[1]), ttl, owner_id, confirmed_at=sent)
@@ -277,6 +171,15 @@ class LockServer:
         if status == 3:
             return Verdict.ENTRY_GONE
         return Holder.parse(key, reply[1], int(reply[2]))
+
+    def _give_back_unreplicated(self, lock: Lock, acked: int) -> None:
+        """A lock too few replicas acknowledged: given back, and the acquire fails as unavailable."""
+        self._give_back(lock)
+        raise LockBackendUnavailable(
+            self.url, f"only {acked} of the {self.min_replicas} replica(s) required "
+            f"(singleton_lock_min_replicas) acknowledged the lock within {self.replica_timeout:g}s: "
+            "a failover could lose it, so it was given back and the task does not run unlocked",
+        )
 
     def _give_back(self, lock: Lock) -> None:
         """Release a lock that is not to be trusted (its reply came too late, or unreplicated)."""
@@ -308,8 +211,6 @@ class LockServer:
         reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args)
         lock.released = True
         handoffs = tuple(Handoff.parse(lock.key, item) for item in reply[1:])
-        if handoffs and faults.KILL_AT:  # TEST-ONLY: after the hand-off, before the waiter's publish
-            faults.kill_at("handoff")
         self.dispatch(handoffs)
         return Released(int(reply[0]), handoffs)
 
@@ -361,64 +262,11 @@ class LockServer:
                 out.append(ok)
         return out
 
-    def _renew_replies(self, chunks: Sequence[Sequence[Lock]]) -> list[Any]:
-        """RENEW_MANY over ``chunks`` in one pipelined round trip, sent once more after reloading the
-        script if Redis lost it (restart, SCRIPT FLUSH, failover): what every batched renewal uses."""
-        replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
-        if any(isinstance(r, NoScriptError) for r in replies):
-            self._shas.pop(scripts.RENEW_MANY, None)
-            replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
-        return replies
-
-    def _pipeline_evalsha(self, sha: str, chunks: Iterable[Sequence[Lock]]) -> list[Any]:
-        """The batched renewal: every chunk's EVALSHA packed here and sent in one write on this
-        thread's held connection, then each reply read (an error reply is kept, not raised).
-        redis-py's pipeline packs a 1,000-argument command in pure Python, at several times the cost."""
-        parts = [wire.pack(sha, [lk.key for lk in part], [lk.prefix for lk in part] + [ms(lk.ttl) for lk in part])
-                 for part in chunks]
-        if self.min_replicas > 0:
-            parts.append(wire.pack_wait(self.min_replicas, ms(self.replica_timeout)))
-        conn = self._held_conn()
-        data = b"".join(parts)
-        for attempt in (1, 2):  # a connection found broken (a restart, a failover) is replaced once
-            try:
-                conn.send_packed_command([data], check_health=False)
-                replies: list[Any] = []
-                for _ in parts:
-                    try:
-                        replies.append(conn.read_response())
-                    except ResponseError as exc:
-                        replies.append(exc)
-                return replies
-            except RedisConnectionError:
-                conn.disconnect()
-                if attempt == 2:
-                    raise
-                conn.connect()
-            except RedisError:
-                conn.disconnect()  # the next round connects anew
-                raise
-        raise AssertionError("unreachable")
-
-    def _held_conn(self) -> Any:
-        """This thread's own connection, taken from the pool and kept (a forked child takes a new one)."""
-        held = self._held
-        conn = getattr(held, "conn", None)
-        if conn is None or conn.pid != os.getpid():
-            conn = held.conn = self.client.connection_pool.get_connection()
-        return conn
-
-    def _unreplicated_reason(self, acked: int) -> str:
-        return (
-            f"renewal acknowledged by {acked} of the {self.min_replicas} replica(s) required "
-            f"(singleton_lock_min_replicas) within {self.replica_timeout:g}s"
-        )
-
     def confirm(self, name: str, entry: str) -> bool:
         """The hand-off's message for ``entry`` was sent: no sweeper sends it again, and the key stays
         reserved for it until it arrives (up to ``turn_timeout``), however slow the broker."""
         key = slot_safe(name)
-        return bool(self.run(scripts.CONFIRM, (key, key + ":w"), (entry, ms(self.turn_timeout))))
+        return bool(self.run(scripts.CONFIRM, (key, layout.waiters(key)), (entry, ms(self.turn_timeout))))
 
     def dispatch(self, handoffs: Iterable[Handoff]) -> None:
         """Send the waiting tasks the key was passed to (plain waiters were woken by the script)."""
@@ -459,10 +307,3 @@ class LockServer:
         except RedisError as exc:
             raise self.error(exc, key) from exc
         return None if value is None else Holder.parse(key, value, pttl)
-
-
-def _describe(client: redis.Redis) -> str:
-    kwargs = client.connection_pool.connection_kwargs
-    if "path" in kwargs:
-        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
-    return f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from ..exceptions import LockError
-from . import scripts
+from . import layout, scripts
 from .line import SWEEP_BATCH, SWEEP_INTERVAL, SWEEP_LEASE, sweep
 from .lock import Handoff, ms, slot_safe
 from .server import LockServer
@@ -158,8 +158,8 @@ class Sweeper:
             try:
                 pipe = server.client.pipeline(transaction=False)
                 for p in items:
-                    pipe.hexists(p.key + ":w", p.entry)
-                    pipe.zscore(p.key + ":g", p.entry)
+                    pipe.hexists(layout.waiters(p.key), p.entry)
+                    pipe.zscore(layout.gone(p.key), p.entry)
                 answers = pipe.execute()
             except RedisError:
                 continue  # unreachable: keep them, look again next round

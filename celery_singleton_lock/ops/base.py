@@ -18,18 +18,17 @@ from typing import Any, NoReturn
 import click
 from redis.exceptions import RedisError
 
+from .. import config
 from ..engine.addresses import redact_url
 from ..engine.server import LockServer
 from ..exceptions import LockError
 from ..task import LockedTask
 from ..topologies import servers
-from ..topologies.urls import lock_source, transport_options
 from .nodes import Node, nodes_of
 from .survey import parse_key
 
 logger = logging.getLogger("celery_singleton_lock")
 
-DEFAULT_PREFIX = "singleton_lock"
 
 class CliError(click.ClickException):
     """A one-line error, exit status 2: a bad key or argument, or a lock Redis we cannot use."""
@@ -82,16 +81,11 @@ def open_target(ctx: click.Context) -> Target:
         app.loader.import_default_modules()
     except Exception as exc:
         fail(f"cannot import the app's task modules: {type(exc).__name__}: {exc}")
-    conf = app.conf
     try:
-        url, source = lock_source(conf)
-        transport = transport_options(conf, source)
+        settings = config.app_settings(app)  # as the workers resolve theirs
     except ValueError as exc:
         fail(str(exc))
-    prefix = conf.get("singleton_lock_prefix") or DEFAULT_PREFIX
-    if not isinstance(prefix, str):
-        fail(f"setting singleton_lock_prefix must be a non-empty str, got {prefix!r}")
-    prefixes = {prefix}
+    prefixes = {settings.prefix}
     tasks: dict[str, LockedTask] = {}
     for name, task in sorted(app.tasks.items()):
         if not isinstance(task, LockedTask):
@@ -101,13 +95,13 @@ def open_target(ctx: click.Context) -> Target:
             prefixes.add(task.lock_settings().prefix)
         except ValueError as exc:
             click.echo(f"warning: task {name}: {exc} (its own lock_prefix, if any, is not looked at)", err=True)
-    options = conf.get("singleton_lock_redis_options") or {}
-    if not isinstance(options, dict):
-        fail(f"setting singleton_lock_redis_options must be a dict, got {options!r}")
-    try:  # one Redis, Sentinel or Cluster, as the workers build it
-        server = servers.from_settings(url, transport_options=transport, redis_options=options)
+    try:  # one Redis, Sentinel, Cluster or quorum, as the workers build it (min_replicas included)
+        server = servers.from_settings(
+            settings.url, transport_options=settings.transport_options, redis_options=settings.redis_options,
+            min_replicas=settings.min_replicas, replica_timeout=settings.replica_timeout,
+        )
     except (ValueError, TypeError) as exc:
-        fail(f"cannot use the lock Redis URL {redact_url(url)}: {exc}")
+        fail(f"cannot use the lock Redis URL {redact_url(settings.url)}: {exc}")
     nodes, majority = nodes_of(server)
     return Target(app, server, server.url, tuple(sorted(prefixes)), tasks, nodes, majority)
 

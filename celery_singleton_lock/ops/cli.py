@@ -31,7 +31,7 @@ from typing import Any
 import click
 
 from .. import handoff
-from ..engine import line_ops
+from ..engine import layout, line_ops
 from ..exceptions import LockError, LockKeyError
 from ..task import LockedTask
 from ..topologies.quorum import QuorumLockServer
@@ -82,18 +82,17 @@ def _line(target: Target, key: str, now_ms: int, records: dict[bytes, bytes],
     out = []
     order = [e for e in entries if e in records] + [e for e in records if e not in set(entries)]
     for entry in order:
-        head, deadline, ttl, owner, message = records[entry].split(b"\n", 4)
-        kind, state = chr(head[0]), chr(head[1])
+        waiter = layout.Waiter.parse(records[entry])
         item = {
             "entry": entry.decode(),
-            "owner": owner.decode(),
-            "kind": KINDS.get(kind, kind),
-            "state": STATES.get(state, state),
+            "owner": waiter.owner,
+            "kind": KINDS.get(waiter.kind, waiter.kind),
+            "state": STATES.get(waiter.state, waiter.state),
             "in_line": entry in entries,
-            "gives_up_in_ms": int(deadline) - now_ms,
-            "ttl_ms": int(ttl),
+            "gives_up_in_ms": waiter.deadline_ms - now_ms,
+            "ttl_ms": waiter.ttl_ms,
         }
-        item.update(message_summary(message))
+        item.update(message_summary(waiter.message))
         out.append(item)
     return out
 
@@ -115,9 +114,9 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         pipe.time()
         pipe.get(key)
         pipe.pttl(key)
-        pipe.lrange(key + ":q", 0, -1)
-        pipe.hgetall(key + ":w")
-        pipe.zrange(key + ":d", 0, -1, withscores=True)
+        pipe.lrange(layout.line(key), 0, -1)
+        pipe.hgetall(layout.waiters(key))
+        pipe.zrange(layout.done(key), 0, -1, withscores=True)
         return list(pipe.execute())
 
     (secs, micros), value, pttl, entries, records, done = target.run(read, node_of_key(target.server, key).client)

@@ -26,8 +26,9 @@ from typing import Any
 import click
 
 from .. import handoff
-from ..engine import line_ops
+from ..engine import layout, line_ops
 from ..exceptions import LockError
+from ..headers import PARKED_AT
 from .base import Target, audit, fail, locks, open_target, who_am_i
 from .survey import KINDS, STATES, duration, message_summary, to_json
 
@@ -39,8 +40,8 @@ def read_line(target: Target, key: str) -> list[dict[str, Any]]:
         pipe = client.pipeline(transaction=False)
         pipe.time()
         pipe.get(key)
-        pipe.lrange(key + ":q", 0, -1)
-        pipe.hgetall(key + ":w")
+        pipe.lrange(layout.line(key), 0, -1)
+        pipe.hgetall(layout.waiters(key))
         return list(pipe.execute())
 
     (secs, micros), held, entries, records = target.run(read)
@@ -49,19 +50,19 @@ def read_line(target: Target, key: str) -> list[dict[str, Any]]:
     order = [e for e in entries if e in records] + [e for e in records if e not in set(entries)]
     rows = []
     for entry in order:
-        head, deadline, _ttl, owner, message = records[entry].split(b"\n", 4)
-        parked_at = _parked_at(message)
+        waiter = layout.Waiter.parse(records[entry])
+        parked_at = _parked_at(waiter.message)
         place = entries.index(entry) + 1 if entry in entries else None
         rows.append({
             "place": place,
-            "task_id": owner.decode(),
-            "kind": KINDS.get(chr(head[0]), chr(head[0])),
-            "state": STATES.get(chr(head[1]), chr(head[1])),
+            "task_id": waiter.owner,
+            "kind": KINDS.get(waiter.kind, waiter.kind),
+            "state": STATES.get(waiter.state, waiter.state),
             "reserved": entry == reserved,
             "waited_ms": None if parked_at is None else max(0, now_ms - int(parked_at * 1000)),
-            "gives_up_in_ms": int(deadline) - now_ms,
+            "gives_up_in_ms": waiter.deadline_ms - now_ms,
             "entry": entry.decode(),
-            **message_summary(message),
+            **message_summary(waiter.message),
         })
     return rows
 
@@ -69,10 +70,10 @@ def read_line(target: Target, key: str) -> list[dict[str, Any]]:
 def _parked_at(message: bytes) -> float | None:
     """When the parked task first parked (epoch seconds), from its JSON message's headers."""
     try:
-        content_type, _encoding, data = message.split(b"\n", 2)
-        if content_type != b"application/json":
+        content_type, _encoding, data = layout.split_message(message)
+        if content_type != "application/json":
             return None
-        value = json.loads(data)["options"]["headers"][handoff.PARKED_AT]
+        value = json.loads(data)["options"]["headers"][PARKED_AT]
         return float(value)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None

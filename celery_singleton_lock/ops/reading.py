@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from ..engine import layout
 from .base import CliError, Target, fail
 from .nodes import Node, member_states, node_of_key, verdict
 from .survey import glob_escape, lock_row, parse_key
@@ -67,7 +68,7 @@ def read_batch(target: Target, batch: list[tuple[str, str]],
         for key, _ in batch:
             pipe.get(key)
             pipe.pttl(key)
-            pipe.llen(key + ":q")
+            pipe.llen(layout.line(key))
         return list(pipe.execute(raise_on_error=False))
 
     replies = target.run(read, client)

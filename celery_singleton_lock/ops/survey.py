@@ -11,6 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from ..engine import layout
 from ..engine.lock import Holder
 
 _COMPANIONS = re.compile(r"^(?P<lock>.+:\{[^{}]+\}):(?:q|w|d|g|d:.*|wake:.*)$")
@@ -145,8 +146,8 @@ def to_json(data: Any) -> str:
 def message_summary(message: bytes) -> dict[str, Any]:
     """The parked task's name and arguments, if its message is JSON (nothing else is ever decoded here)."""
     try:
-        content_type, _encoding, data = message.split(b"\n", 2)
-        if content_type != b"application/json":
+        content_type, _encoding, data = layout.split_message(message)
+        if content_type != "application/json":
             return {}
         body = json.loads(data)
         return {"task": body.get("task"), "args": body.get("args"), "kwargs": body.get("kwargs")}

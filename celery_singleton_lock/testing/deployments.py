@@ -1,9 +1,8 @@
 """Sentinel and Redis Cluster deployments for tests, built from private redis-servers.
 
 Every server is started on a free loopback port with no persistence and stopped by PID
-(:class:`~celery_singleton_lock.testing.RedisServer`); the cluster is built with CLUSTER
-MEET / ADDSLOTS from Python (no redis-cli needed). Nothing here touches a Redis it did
-not start.
+(:class:`~celery_singleton_lock.testing.RedisServer`); the cluster is built with CLUSTER MEET /
+ADDSLOTS from Python (no redis-cli needed). Nothing here touches a Redis it did not start.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ from typing import Any
 import redis
 
 from .servers import RedisServer, find_redis_server, wait_until
-
-# -- deployments: Sentinel and Cluster, built from private redis-servers -----------------------------
 
 
 def _free_cluster_port() -> int:

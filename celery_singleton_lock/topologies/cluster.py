@@ -38,7 +38,8 @@ from redis.retry import Retry
 from ..engine import scripts, wire
 from ..engine.addresses import redact_url
 from ..engine.lock import Lock, ms
-from ..engine.server import DEFAULT_CLIENT_OPTIONS, LockServer, Unreplicated
+from ..engine.plumbing import Unreplicated
+from ..engine.server import DEFAULT_CLIENT_OPTIONS, LockServer
 from ..exceptions import LockBackendUnavailable, LockError
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -192,103 +193,7 @@ class ClusterLockServer(LockServer):
         """
         if not locks:
             return []
-        sent = time.monotonic()
-        results: list[bool | LockError | None] = [None] * len(locks)
-        nodes = self.cluster.nodes_manager
-        by_node: dict[str, tuple[ClusterNode, dict[int, list[int]]]] = {}
-        for i, lock in enumerate(locks):
-            slot = key_slot(lock.key.encode())
-            try:
-                node = nodes.get_node_from_slot(slot)
-            except RedisClusterException as exc:
-                results[i] = LockBackendUnavailable(self.url, str(exc))
-                continue
-            by_node.setdefault(node.name, (node, {}))[1].setdefault(slot, []).append(i)
-        try:
-            sha = self._sha(scripts.RENEW_MANY)
-        except (RedisError, RedisClusterException) as exc:
-            error = self.error(exc, locks[0].key)
-            return [error] * len(locks)
-
-        def ok(part: list[int], reply: Any) -> None:
-            for i, flag in zip(part, reply, strict=False):
-                renewed = int(flag) == 1
-                if renewed:
-                    locks[i].confirmed_at = sent
-                    locks[i].last_error = None
-                results[i] = renewed
-
-        def fail(part: list[int], error: LockError) -> None:
-            for i in part:
-                results[i] = error
-
-        sends: list[tuple[ClusterNode, Any, list[list[int]]]] = []
-        broken = False
-        for node, slots in by_node.values():
-            parts = [idx[j : j + chunk] for idx in slots.values() for j in range(0, len(idx), chunk)]
-            data = b"".join(wire.pack(sha, [locks[i].key for i in part],
-                                  [locks[i].prefix for i in part] + [ms(locks[i].ttl) for i in part]) for part in parts)
-            if self.min_replicas > 0:
-                data += wire.pack_wait(self.min_replicas, ms(self.replica_timeout))
-            conn = None
-            try:
-                conn = self._conn(node)
-                conn.send_packed_command([data], check_health=False)
-            except RedisError as exc:
-                if conn is not None:
-                    self._drop(node, conn)
-                broken = True
-                for part in parts:
-                    fail(part, self.error(exc, locks[part[0]].key))
-                continue
-            sends.append((node, conn, parts))
-            self.pipelines_sent += 1
-        again: list[list[int]] = []
-        for node, conn, parts in sends:
-            replies: list[Any] = []
-            try:
-                for _ in parts:
-                    try:
-                        replies.append(conn.read_response())
-                    except ResponseError as exc:
-                        replies.append(exc)
-                acked: Any = self.min_replicas
-                if self.min_replicas > 0:
-                    try:
-                        acked = conn.read_response()
-                    except ResponseError as exc:
-                        acked = exc
-            except RedisError as exc:
-                self._drop(node, conn)
-                broken = True
-                for part in parts:
-                    fail(part, self.error(exc, locks[part[0]].key))
-                continue
-            short = not isinstance(acked, int) or acked < self.min_replicas
-            for part, reply in zip(parts, replies, strict=True):
-                if isinstance(reply, (MovedError, AskError, TryAgainError, ClusterDownError, NoScriptError)):
-                    if isinstance(reply, MovedError):
-                        nodes.move_slot(reply)
-                    again.append(part)
-                elif isinstance(reply, Exception):
-                    fail(part, self.error(reply, locks[part[0]].key))
-                elif short:
-                    why = str(acked) if isinstance(acked, Exception) else self._unreplicated_reason(int(acked))
-                    fail(part, LockBackendUnavailable(self.url, why))
-                else:
-                    ok(part, reply)
-        if broken:
-            self._refresh()
-        for part in again:
-            keys = [locks[i].key for i in part]
-            args = [locks[i].prefix for i in part] + [ms(locks[i].ttl) for i in part]
-            try:
-                ok(part, self.run(scripts.RENEW_MANY, keys, args, replicated=True))
-            except Unreplicated as short_reply:
-                fail(part, LockBackendUnavailable(self.url, self._unreplicated_reason(short_reply.acked)))
-            except LockError as exc:
-                fail(part, exc)
-        return [r if r is not None else LockError("not renewed") for r in results]
+        return _Renewal(self, locks, chunk).run()
 
     def _sha(self, script: str) -> str:
         sha = self._shas.get(script)
@@ -314,3 +219,127 @@ class ClusterLockServer(LockServer):
         for conn in conns.values():
             conn.disconnect()
         self.cluster.close()
+
+
+class _Renewal:
+    """One batched renewal round on a Cluster (:meth:`ClusterLockServer.renew_many`): the locks grouped
+    by node and slot, one pipeline written to each node, then each node's replies read."""
+
+    def __init__(self, server: ClusterLockServer, locks: Sequence[Lock], chunk: int) -> None:
+        self.server, self.locks, self.chunk = server, locks, chunk
+        self.sent = time.monotonic()
+        self.results: list[bool | LockError | None] = [None] * len(locks)
+        self.broken = False  # a node's connection broke: read the slot map again at the end
+        self.again: list[list[int]] = []  # chunks whose slot moved, or whose node lacked the script
+
+    def run(self) -> list[bool | LockError]:
+        by_node = self._by_node()
+        try:
+            sha = self.server._sha(scripts.RENEW_MANY)
+        except (RedisError, RedisClusterException) as exc:
+            return [self.server.error(exc, self.locks[0].key)] * len(self.locks)
+        sends = [sent for node, slots in by_node.values() if (sent := self._send(node, slots, sha)) is not None]
+        for node, conn, parts in sends:
+            self._read(node, conn, parts)
+        if self.broken:
+            self.server._refresh()
+        for part in self.again:
+            self._one_more(part)
+        return [r if r is not None else LockError("not renewed") for r in self.results]
+
+    def _by_node(self) -> dict[str, tuple[ClusterNode, dict[int, list[int]]]]:
+        """Lock indexes by node, then by slot (a lock whose slot has no node fails at once)."""
+        nodes = self.server.cluster.nodes_manager
+        by_node: dict[str, tuple[ClusterNode, dict[int, list[int]]]] = {}
+        for i, lock in enumerate(self.locks):
+            slot = key_slot(lock.key.encode())
+            try:
+                node = nodes.get_node_from_slot(slot)
+            except RedisClusterException as exc:
+                self.results[i] = LockBackendUnavailable(self.server.url, str(exc))
+                continue
+            by_node.setdefault(node.name, (node, {}))[1].setdefault(slot, []).append(i)
+        return by_node
+
+    def _send(self, node: ClusterNode, slots: dict[int, list[int]],
+              sha: str) -> tuple[ClusterNode, Any, list[list[int]]] | None:
+        """Write one node's pipeline (one EVALSHA per slot chunk, then WAIT if replicas are required)."""
+        server, locks, chunk = self.server, self.locks, self.chunk
+        parts = [idx[j : j + chunk] for idx in slots.values() for j in range(0, len(idx), chunk)]
+        data = b"".join(wire.pack(sha, [locks[i].key for i in part],
+                                  [locks[i].prefix for i in part] + [ms(locks[i].ttl) for i in part]) for part in parts)
+        if server.min_replicas > 0:
+            data += wire.pack_wait(server.min_replicas, ms(server.replica_timeout))
+        conn = None
+        try:
+            conn = server._conn(node)
+            conn.send_packed_command([data], check_health=False)
+        except RedisError as exc:
+            if conn is not None:
+                server._drop(node, conn)
+            self.broken = True
+            for part in parts:
+                self._fail(part, server.error(exc, locks[part[0]].key))
+            return None
+        server.pipelines_sent += 1
+        return node, conn, parts
+
+    def _read(self, node: ClusterNode, conn: Any, parts: list[list[int]]) -> None:
+        """Read one node's replies (and its WAIT's), and sort each chunk: renewed, failed, or again."""
+        server = self.server
+        replies: list[Any] = []
+        try:
+            for _ in parts:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+            acked: Any = server.min_replicas
+            if server.min_replicas > 0:
+                try:
+                    acked = conn.read_response()
+                except ResponseError as exc:
+                    acked = exc
+        except RedisError as exc:
+            server._drop(node, conn)
+            self.broken = True
+            for part in parts:
+                self._fail(part, server.error(exc, self.locks[part[0]].key))
+            return
+        short = not isinstance(acked, int) or acked < server.min_replicas
+        for part, reply in zip(parts, replies, strict=True):
+            if isinstance(reply, (MovedError, AskError, TryAgainError, ClusterDownError, NoScriptError)):
+                if isinstance(reply, MovedError):
+                    server.cluster.nodes_manager.move_slot(reply)
+                self.again.append(part)
+            elif isinstance(reply, Exception):
+                self._fail(part, server.error(reply, self.locks[part[0]].key))
+            elif short:
+                why = str(acked) if isinstance(acked, Exception) else server._unreplicated_reason(int(acked))
+                self._fail(part, LockBackendUnavailable(server.url, why))
+            else:
+                self._ok(part, reply)
+
+    def _one_more(self, part: list[int]) -> None:
+        """A chunk whose slot moved: sent once more on its own, following the redirect."""
+        server, locks = self.server, self.locks
+        keys = [locks[i].key for i in part]
+        args = [locks[i].prefix for i in part] + [ms(locks[i].ttl) for i in part]
+        try:
+            self._ok(part, server.run(scripts.RENEW_MANY, keys, args, replicated=True))
+        except Unreplicated as short_reply:
+            self._fail(part, LockBackendUnavailable(server.url, server._unreplicated_reason(short_reply.acked)))
+        except LockError as exc:
+            self._fail(part, exc)
+
+    def _ok(self, part: list[int], reply: Any) -> None:
+        for i, flag in zip(part, reply, strict=False):
+            renewed = int(flag) == 1
+            if renewed:
+                self.locks[i].confirmed_at = self.sent
+                self.locks[i].last_error = None
+            self.results[i] = renewed
+
+    def _fail(self, part: list[int], error: LockError) -> None:
+        for i in part:
+            self.results[i] = error

@@ -25,7 +25,7 @@ from ..engine.line import wait_turn
 from ..engine.lock import Done, Holder, Lock, Verdict, slot_safe
 from ..engine.server import LockServer
 from ..exceptions import LockContended
-from ..watchdog.renewer import get_watchdog
+from ..watchdog.process import get_watchdog
 from .servers import from_settings
 
 _servers: dict[str, LockServer] = {}

@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from ..engine import scripts, wire
+from ..engine import layout, scripts, wire
 from ..engine.addresses import redact_url
 from ..engine.lock import Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
 from ..engine.server import TOKEN_BYTES, LockServer
@@ -102,7 +102,7 @@ class QuorumLockServer(LockServer):
         self.timeout = max(m.client.connection_pool.connection_kwargs.get("socket_timeout") or MEMBER_TIMEOUT
                            for m in members)
         """Seconds an operation waits for a majority's answers (the members' socket timeout)."""
-        self._twins: dict[float, QuorumLockServer] = {}
+        self._twins: dict[float, LockServer] = {}
         self._reached: dict[str, list[int]] = {}
         """token -> the members its acquire may have taken the key on (its release must reach them)."""
 
@@ -189,7 +189,7 @@ class QuorumLockServer(LockServer):
                 too_late, _proposal(), int(CLOCK_WINDOW * 1e6), ms(FENCE_KEEP))
         sent = time.monotonic()
 
-        keys = (key, key + ":f", key + ":d", SINCE, _tomb(key, token))
+        keys = (key, layout.floor(key), layout.done(key), SINCE, layout.tomb(key, token))
         replies = self._fan_out(scripts.Q_ACQUIRE, [(keys, args)], self._settled(lambda r: int(r[0]) == 1))
         # where this acquire may have taken the key: granted, or sent and not answered (it may run later)
         self._reached[token] = [i for i, r in enumerate(replies)
@@ -213,7 +213,7 @@ class QuorumLockServer(LockServer):
             floored = sum(1 for _, f in granted if f == fence)  # members whose floor is the fence already
             if floored < self.majority:  # members that disagreed: write the fence back to the others
                 on = [i for i, f in granted if f < fence]
-                write_back = ((key, key + ":f"), (token + " ", fence, ms(FENCE_KEEP)))
+                write_back = ((key, layout.floor(key)), (token + " ", fence, ms(FENCE_KEEP)))
                 acks = self._fan_out(scripts.Q_FENCE, [write_back],
                                      lambda rs: floored + sum(1 for r in rs if _ok(r) and int(r) == 1) >= self.majority,
                                      only=on)
@@ -261,7 +261,7 @@ class QuorumLockServer(LockServer):
     def _releaser(key: str, token: str, rest: tuple[str, str, str]) -> tuple[Sequence[str], Sequence[Any]]:
         """The keys and args of a release: Q_RELEASE of ``token``'s lock (``rest``: owner id, succeeded,
         remember ms), leaving a tombstone where the lock is not (yet) there."""
-        return (key, key + ":d", _tomb(key, token)), (token + " ", *rest, ms(LATE + 60.0))
+        return (key, layout.done(key), layout.tomb(key, token)), (token + " ", *rest, ms(LATE + 60.0))
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
                 again: bool = False, retries: int = 0) -> Released:
@@ -336,7 +336,7 @@ class QuorumLockServer(LockServer):
         """For operators: delete ``key``'s lock on every member, whoever holds it (only where it
         starts with ``expected``, when given). Returns (1 deleted on at least one member, 0 no
         member had it, -1 it changed hands: nothing deleted; the value deleted; on how many)."""
-        keys = (key, key + ":q", key + ":w", key + ":d")
+        keys = layout.lock_keys(key)
         every = range(len(self.members))
         replies = self._fan_out(scripts.FORCE_RELEASE, [(keys, (expected,))], lambda r: False, force=every)
         answered = [r for r in replies if _ok(r)]
@@ -361,11 +361,6 @@ class QuorumLockServer(LockServer):
 def _proposal() -> int:
     """The fence this client proposes: its clock, in microseconds since 1970 (see the module doc)."""
     return time.time_ns() // 1000
-
-
-def _tomb(key: str, token: str) -> str:
-    """The tombstone of ``token``'s attempt on ``key``: set by a release that did not find the lock."""
-    return f"{key}:x:{token}"
 
 
 _SCRIPTS = (scripts.Q_ACQUIRE, scripts.Q_FENCE, scripts.Q_RELEASE, scripts.RENEW_MANY, scripts.FORCE_RELEASE)

@@ -37,7 +37,8 @@ from typing import Any
 
 from ..engine.addresses import redact_url
 from ..engine.lock import check_ttl
-from ..engine.server import DEFAULT_REPLICA_TIMEOUT, LockServer
+from ..engine.plumbing import DEFAULT_REPLICA_TIMEOUT
+from ..engine.server import LockServer
 from .cluster import ClusterLockServer
 from .sentinel import SentinelLockServer
 from .urls import redis_url_for, topology

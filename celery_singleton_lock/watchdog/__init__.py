@@ -5,6 +5,7 @@ in batches, and declares a lock lost at its deadline (etcd's Session: liveness k
 from exclusion).
 """
 
-from .renewer import Watchdog, get_watchdog, shutdown_watchdog
+from .process import get_watchdog, shutdown_watchdog
+from .renewer import Watchdog
 
 __all__ = ["Watchdog", "get_watchdog", "shutdown_watchdog"]

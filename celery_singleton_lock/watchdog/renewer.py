@@ -96,7 +96,6 @@ class Watchdog:
         self._deadlines: list[tuple[float, int, Lock]] = []  # a heap; stale entries are skipped
         self._seq = itertools.count()
         self._in_flight: set[Lock] = set()
-        self._twins: dict[Backend, Backend] = {}  # server -> its twin with short timeouts
         self._failing: dict[Backend, list[float]] = {}  # server -> [failing since, last warned]
         self._suspects: set[Lock] = set()  # in a chunk that Redis refused: renewed alone until it works
         self._short_ttls_warned: set[float] = set()
@@ -361,7 +360,7 @@ class Watchdog:
         """One pipelined round trip: renew_many on the server's twin."""
         self.batches += 1
         try:
-            return self._twin(server).renew_many(locks, chunk=chunk)
+            return server.with_timeout(self.socket_timeout).renew_many(locks, chunk=chunk)
         except Exception as exc:  # renew_many reports errors per lock; this is a bug, not a reason to stop
             logger.exception("celery-singleton-lock watchdog: renewing on %s raised", server.url)
             return [LockError(f"renewal on {server.url} raised {exc!r}")] * len(locks)
@@ -394,67 +393,3 @@ class Watchdog:
                 "(a CPU-bound task under gevent/eventlet starves it) or the process was stopped"
             )
         return reason
-
-    def _twin(self, server: Backend) -> Backend:
-        twin = self._twins.get(server)
-        if twin is None:
-            twin = self._twins[server] = server.with_timeout(self.socket_timeout)
-        return twin
-
-
-# -- the process's one watchdog ------------------------------------------------
-
-_lock = threading.Lock()
-_watchdog: Watchdog | None = None
-_conflicts_warned: set[tuple[tuple[str, float | int], ...]] = set()
-
-
-def current_watchdog() -> Watchdog | None:
-    """This process's watchdog if one was created here (never creates it, unlike get_watchdog)."""
-    wd = _watchdog
-    return wd if wd is not None and wd.pid == os.getpid() else None
-
-
-def get_watchdog(**options: float | int) -> Watchdog:
-    """The watchdog of this process, created on first use (and anew after a fork or a shutdown).
-
-    ``options`` (``tick``, ``chunk``, ``socket_timeout``) apply when it is
-    created. Asking for other options later logs one WARNING (per set of
-    options) and returns the existing one: a process has one watchdog.
-    """
-    global _watchdog
-    wd = _watchdog
-    if wd is None or wd.pid != os.getpid() or wd._stopping:
-        with _lock:
-            if _watchdog is None or _watchdog.pid != os.getpid() or _watchdog._stopping:
-                _watchdog = Watchdog(**options)  # type: ignore[arg-type]
-                return _watchdog
-            wd = _watchdog
-    if options and any(wd.options[name] != value for name, value in options.items()):
-        wanted = tuple(sorted(options.items()))
-        if wanted not in _conflicts_warned:
-            _conflicts_warned.add(wanted)
-            logger.warning(
-                "celery-singleton-lock: this process's watchdog already runs with %s; %s are ignored "
-                "(one watchdog per process: give every app the same singleton_lock_watchdog_* settings)",
-                wd.options, dict(options),
-            )
-    return wd
-
-
-def shutdown_watchdog(timeout: float = 5.0) -> None:
-    """Stop and join this process's watchdog, if it has one."""
-    wd = _watchdog
-    if wd is not None and wd.pid == os.getpid():
-        wd.shutdown(timeout)
-
-
-def _forget_parent_watchdog() -> None:
-    # The parent's thread does not exist in a forked child, and its locks are
-    # not the child's to renew: the child starts afresh on its first acquire.
-    global _watchdog, _lock
-    _watchdog = None
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_parent_watchdog)

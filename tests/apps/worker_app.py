@@ -38,6 +38,10 @@ app.conf.update(
 
 journal = redis.Redis.from_url(f"{BASE}/3")
 
+from apps import kill_points  # noqa: E402 - the crash tests' kill points (CSL_TEST_KILL_AT), if asked
+
+kill_points.install()
+
 
 def record(name: str, key: str, start: float, end: float) -> None:
     """Append one execution interval (wall clock, same machine) to the journal."""

@@ -1,0 +1,113 @@
+"""Where a lock's data lives in Redis, and how its records read: the one home of the key layout.
+
+Layout in Redis for a lock named ``K`` (``K`` carries a cluster hash tag, so
+every key below lives in K's hash slot and no script touches two slots):
+
+``K``
+    the lock: ``"<token> <fence> <json: owner, host, pid>"`` with a PX expiry;
+    or, while it is being handed to a waiter, a reservation
+    ``"~<entry> 0 <json: owner, reserved>"`` that only that waiter can claim.
+    The fence is the server clock in microseconds when the lock was taken.
+``K:q``
+    the waiting line: a LIST of entry ids, first in line at the head.
+``K:w``
+    the waiters: a HASH entry id -> ``"<kind><state>\\n<deadline ms>\\n<ttl ms>\\n<owner>\\n<message>"``.
+    kind ``t`` a parked task (message: the task message to send again),
+    ``s`` a redelivered copy of the running task (dropped if it succeeds),
+    ``p`` plain code blocked in ``held(..., wait=...)`` (woken through
+    ``K:wake:<entry>``); state ``p`` parked, ``h`` handed the key (its
+    message not yet known to be sent: the reservation lasts one lock TTL, then
+    the sweeper sends it again), ``c`` handed and sent (the reservation lasts
+    until the copy arrives, up to the turn timeout; then the key passes on,
+    and the record stays, out of the line, until its deadline).
+``K:g``
+    tombstones: a ZSET entry id -> when it left the line for good (kept ten
+    minutes), so a process that parked it tells "it left" from "it was lost".
+``K:d``
+    done records, only for tasks that can be redelivered after success
+    (``acks_late``): a ZSET owner id -> until when (ms) to drop its redeliveries.
+``K:d:<owner id>``
+    what that owner's body returned (``"<content type>\n<encoding>\n<data>"``,
+    the task's result serializer), kept as long as its done record: a redelivery
+    that finds the result never stored (the process died between the release and
+    Celery's store) stores this value and sends the chain without running the body.
+
+Every key expires on its own: nothing is left behind once a lock is released
+and its line is empty. Times in the line are the server's clock (ms), so every
+client agrees on them.
+
+Outside the slot, for the sweeper (see sweeper.py): ``<prefix>:{waiting}``, a
+ZSET of lock keys that have waiters, scored by when to look at them next, and
+``<prefix>:{waiting}:epoch``, which changes when the lock Redis lost its data.
+
+Quorum mode (one plain Redis per member) adds ``K:f``, the member's fencing floor, and
+``K:x:<token>``, a release's tombstone for an acquire still on its way (see
+:mod:`celery_singleton_lock.topologies.quorum`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def lock_keys(key: str) -> tuple[str, str, str, str]:
+    """The keys every script of one lock takes, in order: lock, line, waiters, done records."""
+    return key, key + ":q", key + ":w", key + ":d"
+
+
+def line(key: str) -> str:
+    """``K:q``: the waiting line."""
+    return key + ":q"
+
+
+def waiters(key: str) -> str:
+    """``K:w``: the waiters' records."""
+    return key + ":w"
+
+
+def done(key: str) -> str:
+    """``K:d``: the done records."""
+    return key + ":d"
+
+
+def gone(key: str) -> str:
+    """``K:g``: the tombstones of waiters that left the line for good."""
+    return key + ":g"
+
+
+def wake(key: str, entry: str) -> str:
+    """``K:wake:<entry>``: where a plain waiter blocks until it is handed the key."""
+    return f"{key}:wake:{entry}"
+
+
+def floor(key: str) -> str:
+    """``K:f``: a quorum member's fencing floor."""
+    return key + ":f"
+
+
+def tomb(key: str, token: str) -> str:
+    """``K:x:<token>``: a quorum release's tombstone of ``token``'s attempt (set where the lock was not)."""
+    return f"{key}:x:{token}"
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """One record of ``K:w``: ``"<kind><state>\\n<deadline ms>\\n<ttl ms>\\n<owner>\\n<message>"``."""
+
+    kind: str
+    state: str
+    deadline_ms: int
+    ttl_ms: int
+    owner: str
+    message: bytes
+
+    @classmethod
+    def parse(cls, record: bytes) -> Waiter:
+        head, deadline, ttl, owner, message = record.split(b"\n", 4)
+        return cls(chr(head[0]), chr(head[1]), int(deadline), int(ttl), owner.decode(), message)
+
+
+def split_message(packed: bytes) -> tuple[str, str, bytes]:
+    """A parked message or a kept return value, ``"<content type>\\n<encoding>\\n<data>"``: its parts."""
+    content_type, encoding, data = packed.split(b"\n", 2)
+    return content_type.decode(), encoding.decode(), data

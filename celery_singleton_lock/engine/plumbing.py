@@ -1,0 +1,190 @@
+"""One script call in one round trip on one Redis: :class:`ScriptClient`, the plumbing under
+:class:`~celery_singleton_lock.engine.server.LockServer`.
+
+redis-py's generic command path (pool checkout, packing, response callbacks) costs about as much
+as the round trip itself, and the lock's hot path is two commands per task; so a script call here
+is an EVALSHA packed by hand (:mod:`.wire`) and sent on a connection the calling thread keeps, with
+``WAIT`` for replicas in the same write when asked, and the script loaded again after NOSCRIPT
+(a restart, a SCRIPT FLUSH, a failover). The batched renewal sends one pipeline of them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+
+from ..exceptions import LockError
+from . import refusals, scripts, wire
+from .lock import ms
+
+if TYPE_CHECKING:
+    from .lock import Lock
+
+DEFAULT_REPLICA_TIMEOUT = 1.0
+"""Seconds an acquire waits for ``min_replicas`` replicas to acknowledge it (Redis WAIT)."""
+
+
+class Unreplicated(Exception):
+    """A script ran, but fewer replicas than ``min_replicas`` acknowledged its writes in time (internal)."""
+
+    def __init__(self, reply: Any, acked: int) -> None:
+        super().__init__(f"{acked} replica(s) acknowledged")
+        self.reply = reply
+        self.acked = acked
+
+
+
+class ScriptClient:
+    """Scripts on one Redis, one round trip each (see the module doc); ``min_replicas`` > 0 adds a
+    ``WAIT`` for that many replicas to the same write, waiting up to ``replica_timeout`` seconds."""
+
+    def __init__(self, client: redis.Redis, *, url: str | None = None, min_replicas: int = 0,
+                 replica_timeout: float = DEFAULT_REPLICA_TIMEOUT) -> None:
+        self.client = client
+        self.url = url or _describe(client)
+        self._shas: dict[str, str] = {}
+        self._held = threading.local()  # each thread's own connection, taken from the pool and kept
+        self.min_replicas = min_replicas
+        self.replica_timeout = replica_timeout
+
+    def _sha(self, script: str) -> str:
+        sha = self._shas.get(script)
+        if sha is None:
+            sha = self._shas[script] = self.client.script_load(script)
+        return sha
+
+    def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False) -> Any:
+        """EVALSHA, loading the script once and again after NOSCRIPT (restart, SCRIPT FLUSH, failover).
+
+        ``replicated``: with ``min_replicas``, also WAIT for the replicas in the
+        same round trip; :class:`Unreplicated` (carrying the script's reply) if
+        too few acknowledged in time.
+        """
+        wait = replicated and self.min_replicas > 0
+        try:
+            try:
+                return self._call(self._sha(script), keys, args, wait)
+            except NoScriptError:
+                self._shas.pop(script, None)
+                return self._call(self._sha(script), keys, args, wait)
+        except RedisError as exc:
+            raise self.error(exc, keys[0]) from exc
+
+    def _packed(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool) -> bytes:
+        data = wire.pack(sha, keys, args)
+        return data + wire.pack_wait(self.min_replicas, ms(self.replica_timeout)) if wait else data
+
+    def _read(self, conn: Any, wait: bool) -> Any:
+        """The script's reply (and, with ``wait``, the WAIT's: both are always read off the wire)."""
+        try:
+            reply = conn.read_response()
+        except ResponseError:
+            if wait:
+                try:
+                    conn.read_response()
+                except ResponseError:
+                    pass
+            raise
+        if wait:
+            acked = int(conn.read_response())
+            if acked < self.min_replicas:
+                raise Unreplicated(reply, acked)
+        return reply
+
+    def _call(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool = False) -> Any:
+        """One EVALSHA, packed here and sent on this thread's own connection.
+
+        redis-py's generic command path (pool checkout, packing, response
+        callbacks) costs about as much as the round trip itself; the lock's hot
+        path is two commands per task, so it takes the short way: a connection
+        this thread keeps (a forked child takes a new one), the command packed in
+        one join. A connection found broken is replaced and the command sent once
+        more: a command that never reached a live server is safe to repeat, and
+        both acquire (by its token) and release are safe even if it did. A timeout
+        is not retried: the caller decides.
+
+        Under Sentinel the connection asks the Sentinels for the master whenever
+        it (re)connects, and a READONLY reply (a demoted master) disconnects it:
+        the second send goes to the new master. With ``wait`` a ``WAIT`` follows
+        the script in the same write, and both replies are read.
+        """
+        data = self._packed(sha, keys, args, wait)
+        conn = self._held_conn()
+        try:
+            conn.send_packed_command([data], check_health=False)
+            return self._read(conn, wait)
+        except RedisConnectionError:
+            conn.disconnect()
+            conn.connect()  # not left to send_packed_command: that one skips Sentinel's master lookup
+            conn.send_packed_command([data], check_health=False)
+            return self._read(conn, wait)
+
+    def error(self, exc: Exception, key: str) -> LockError:
+        """Our error for a redis-py one: transient (try again) or a refusal (fix something)."""
+        return refusals.classify(exc, self.url, key)
+
+    def _renew_replies(self, chunks: Sequence[Sequence[Lock]]) -> list[Any]:
+        """RENEW_MANY over ``chunks`` in one pipelined round trip, sent once more after reloading the
+        script if Redis lost it (restart, SCRIPT FLUSH, failover): what every batched renewal uses."""
+        replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            self._shas.pop(scripts.RENEW_MANY, None)
+            replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
+        return replies
+
+    def _pipeline_evalsha(self, sha: str, chunks: Iterable[Sequence[Lock]]) -> list[Any]:
+        """The batched renewal: every chunk's EVALSHA packed here and sent in one write on this
+        thread's held connection, then each reply read (an error reply is kept, not raised).
+        redis-py's pipeline packs a 1,000-argument command in pure Python, at several times the cost."""
+        parts = [wire.pack(sha, [lk.key for lk in part], [lk.prefix for lk in part] + [ms(lk.ttl) for lk in part])
+                 for part in chunks]
+        if self.min_replicas > 0:
+            parts.append(wire.pack_wait(self.min_replicas, ms(self.replica_timeout)))
+        conn = self._held_conn()
+        data = b"".join(parts)
+        for attempt in (1, 2):  # a connection found broken (a restart, a failover) is replaced once
+            try:
+                conn.send_packed_command([data], check_health=False)
+                replies: list[Any] = []
+                for _ in parts:
+                    try:
+                        replies.append(conn.read_response())
+                    except ResponseError as exc:
+                        replies.append(exc)
+                return replies
+            except RedisConnectionError:
+                conn.disconnect()
+                if attempt == 2:
+                    raise
+                conn.connect()
+            except RedisError:
+                conn.disconnect()  # the next round connects anew
+                raise
+        raise AssertionError("unreachable")
+
+    def _held_conn(self) -> Any:
+        """This thread's own connection, taken from the pool and kept (a forked child takes a new one)."""
+        held = self._held
+        conn = getattr(held, "conn", None)
+        if conn is None or conn.pid != os.getpid():
+            conn = held.conn = self.client.connection_pool.get_connection()
+        return conn
+
+    def _unreplicated_reason(self, acked: int) -> str:
+        return (
+            f"renewal acknowledged by {acked} of the {self.min_replicas} replica(s) required "
+            f"(singleton_lock_min_replicas) within {self.replica_timeout:g}s"
+        )
+
+
+def _describe(client: redis.Redis) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+    return f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
