@@ -206,6 +206,7 @@ def _install_breakdown() -> None:
     from celery_singleton_lock import task as csl_task
     from celery_singleton_lock.engine import server as csl_server
     from celery_singleton_lock.engine import wire as csl_wire
+    from celery_singleton_lock.watchdog import process as csl_process
     from celery_singleton_lock.watchdog import renewer as csl_watchdog
 
     clock = time.perf_counter_ns
@@ -243,7 +244,7 @@ def _install_breakdown() -> None:
     AbstractConnection.read_response = timed("socket wait for the reply (read_response)",
                                              AbstractConnection.read_response, only_inside=True)
     LockedTask._run_with = timed("LockedTask._run_with", LockedTask._run_with)
-    csl_task.get_watchdog = timed("get_watchdog()", csl_watchdog.get_watchdog)
+    csl_task.get_watchdog = timed("get_watchdog()", csl_process.get_watchdog)
     csl_watchdog.Watchdog.track = timed("Watchdog.track", csl_watchdog.Watchdog.track)
     csl_watchdog.Watchdog.forget = timed("Watchdog.forget", csl_watchdog.Watchdog.forget)
     for name in ("lock_acquired", "lock_released"):

@@ -63,7 +63,7 @@ from redis.exceptions import RedisError
 
 from . import config
 from .engine.lock import Holder, Lock, check_ttl, slot_safe
-from .engine.server import LockServer
+from .engine.server import LockBackend
 from .exceptions import LockError
 from .watchdog.process import get_watchdog
 
@@ -138,8 +138,8 @@ def beat_settings(app: Any) -> BeatSettings:
 @dataclass
 class _Election:
     settings: BeatSettings
-    server: LockServer
-    checker: LockServer
+    server: LockBackend
+    checker: LockBackend
     """The server's twin with short timeouts (a stalled Redis must not stall beat): every election call."""
     owner: str
 

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import line as queue
-from .engine.addresses import redact_url
 from .engine.lock import check_ttl
 from .engine.plumbing import DEFAULT_REPLICA_TIMEOUT
-from .engine.server import DEFAULT_TURN_TIMEOUT, LockServer
+from .engine.server import DEFAULT_TURN_TIMEOUT, LockBackend
 from .keys import KeySpec
 from .topologies import servers
 from .topologies.urls import lock_source, transport_options
@@ -252,37 +250,12 @@ def redelivery_window(conf: Any) -> float:
     return DEFAULT_REDELIVERY_WINDOW
 
 
-# -- one LockServer per connection and process ---------------------------------
-
-_servers: dict[tuple[str, ...], LockServer] = {}
-_servers_lock = threading.Lock()
-
-def server_for(settings: LockSettings) -> LockServer:
-    """The process's shared LockServer for these settings (logs the URL on first use).
-
-    Servers are told apart by their whole connection identity (the full URL with
-    its credentials, and the client options), never by the redacted URL. A task
-    keeps the one it got (``LockedTask.lock_server``), so this runs once per task
-    and process.
-    """
-    cache_key = (settings.url, repr(sorted(settings.redis_options.items())),
-                 repr(sorted(settings.transport_options.items())), str(settings.min_replicas),
-                 repr(settings.replica_timeout))
-    server = _servers.get(cache_key)
-    if server is None:
-        with _servers_lock:
-            server = _servers.get(cache_key)
-            if server is None:
-                server = servers.from_settings(
-                    settings.url, transport_options=settings.transport_options,
-                    redis_options=settings.redis_options, min_replicas=settings.min_replicas,
-                    replica_timeout=settings.replica_timeout,
-                )
-                logger.info("celery-singleton-lock: locks live at %s", redact_url(settings.url))
-                for member in getattr(server, "members", [server]):  # every master of a quorum
-                    servers.check_eviction_policy(member.client, member.url)
-                _servers[cache_key] = server
-    return server
+def server_for(settings: LockSettings) -> LockBackend:
+    """The process's shared LockServer for these settings (:func:`servers.shared`: one registry for
+    tasks and ``held()``). A task keeps the one it got (``LockedTask.lock_server``)."""
+    return servers.shared(settings.url, transport_options=settings.transport_options,
+                          redis_options=settings.redis_options, min_replicas=settings.min_replicas,
+                          replica_timeout=settings.replica_timeout)
 
 
 def signature_of(run: Callable[..., Any], bound: bool) -> inspect.Signature:

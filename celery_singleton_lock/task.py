@@ -40,7 +40,7 @@ from .decide import Action, Delivery, decide
 from .engine import line as queue
 from .engine import reentry, timing
 from .engine.lock import Done, Holder, Lock
-from .engine.server import LockServer
+from .engine.server import LockBackend, LockServer
 from .exceptions import LockBackendUnavailable, LockError, LockWaitTimeout
 from .headers import ENTRY, EXPIRED, RECOVERED, REDELIVERED, TOKEN
 from .headers import PREFIX as HEADER_PREFIX
@@ -169,7 +169,7 @@ class LockedTask(Task):
         settings = self.lock_settings()
         return keys.derive(settings.prefix, self.name, self._lock_signature, args or (), kwargs or {}, self.lock_key)
 
-    def lock_server(self) -> LockServer:
+    def lock_server(self) -> LockBackend:
         """The process's LockServer for this task's settings; its waiting copies go through this app."""
         server = self.__dict__.get("_singleton_lock_server")
         if server is None:
@@ -237,6 +237,7 @@ class LockedTask(Task):
             if action is Action.REENTER:
                 return self._reenter(request, key)
             if action is Action.WAIT_HERE:
+                assert isinstance(server, LockServer)  # decide() waits in a line only where there is one
                 got = queue.wait_turn(server, key, settings.ttl, owner_id=task_id, wait=settings.max_wait)
                 if isinstance(got, Lock):
                     return self._run_with(got, request, settings)
@@ -246,6 +247,7 @@ class LockedTask(Task):
                                  redelivered=who.redelivered and not who.never_ran)
                 continue
             if action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME):
+                assert isinstance(server, LockServer)  # decide() parks only where there is a line
                 policies.park(self, action, request, args, kwargs, settings, server, key, outcome, entry)
                 entry = None  # park() ends the delivery once parked; back here, the key was freed: try again
                 continue

@@ -13,7 +13,7 @@ from celery.signals import worker_process_init, worker_process_shutdown, worker_
 
 from .engine import persistence
 from .engine import sweeper as sweeping
-from .engine.server import LockServer
+from .engine.server import LockBackend, LockServer
 from .exceptions import LockKeyError
 from .watchdog.process import shutdown_watchdog
 
@@ -24,7 +24,7 @@ def watch_app(app: Any) -> None:
     """Start this process's sweeper on the servers of ``app``'s LockedTasks (worker start-up)."""
     from .task import LockedTask
 
-    seen: set[tuple[LockServer, str]] = set()
+    seen: set[tuple[LockBackend, str]] = set()
     for task in list(app.tasks.values()):
         if not isinstance(task, LockedTask):
             continue
@@ -34,7 +34,7 @@ def watch_app(app: Any) -> None:
         except (ValueError, LockKeyError) as exc:
             logger.warning("task %s: no sweeping of its waiting line: %s", task.name, exc)
             continue
-        if server.supports_line and (server, settings.index) not in seen:
+        if isinstance(server, LockServer) and (server, settings.index) not in seen:  # a line to sweep
             seen.add((server, settings.index))
             persistence.check_once(server)
             sweeping.get_sweeper().watch(server, settings.index)

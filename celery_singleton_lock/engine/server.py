@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from redis.backoff import NoBackoff
@@ -43,6 +43,44 @@ DEFAULT_TURN_TIMEOUT = 300.0
 (``singleton_lock_turn_timeout``): then it passes to the next waiter."""
 
 HandoffSender = Callable[["LockServer", Handoff], bool]
+
+
+class LockBackend(Protocol):
+    """What the Celery side, the watchdog and ``held()`` need of a lock server, whatever its
+    topology: :class:`LockServer` (one Redis, and its Sentinel and Cluster subclasses) and the
+    quorum of masters (:class:`~celery_singleton_lock.topologies.quorum.QuorumLockServer`, which
+    is not a LockServer: it has no single Redis to run a script on). Only a LockServer has a
+    waiting line (``supports_line``): the line's operations take a LockServer."""
+
+    url: str
+    client: Any
+    """A plain client for reads that take no lock (operators, beat's run record): a quorum's first member's."""
+    supports_line: bool
+    send_handoff: HandoffSender | None
+    turn_timeout: float
+    min_replicas: int
+    replica_timeout: float
+
+    def acquire(self, name: str, ttl: float, *, owner_id: str | None = None, token: str | None = None,
+                entry: str | None = None, check_done: bool = False,
+                retake: str | None = None) -> Lock | Holder | Verdict | Done: ...
+
+    def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
+                again: bool = False, retries: int = 0) -> Released: ...
+
+    def renew(self, lock: Lock) -> bool: ...
+
+    def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]: ...
+
+    def with_timeout(self, seconds: float) -> LockBackend: ...
+
+    def holder(self, name: str) -> Holder | None: ...
+
+    def dispatch(self, handoffs: Iterable[Handoff]) -> None: ...
+
+    def error(self, exc: Exception, key: str) -> LockError: ...
+
+    def close(self) -> None: ...
 
 
 class LockServer(ScriptClient):

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from .. import config
 from ..engine.addresses import redact_url
-from ..engine.server import LockServer
+from ..engine.server import LockBackend
 from ..exceptions import LockError
 from ..task import LockedTask
 from ..topologies import servers
@@ -48,7 +48,7 @@ class Target:
     """Where the app's locks live, as the workers find them."""
 
     app: Any
-    server: LockServer
+    server: LockBackend
     url: str
     prefixes: tuple[str, ...]
     tasks: dict[str, LockedTask]

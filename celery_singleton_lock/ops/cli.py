@@ -32,6 +32,7 @@ import click
 
 from .. import handoff
 from ..engine import layout, line_ops
+from ..engine.server import LockServer
 from ..exceptions import LockError, LockKeyError
 from ..task import LockedTask
 from ..topologies.quorum import QuorumLockServer
@@ -228,6 +229,7 @@ def release(ctx: click.Context, key: str, yes: bool) -> None:
         expected = shown.decode("utf-8", "replace").split(" ", 1)[0] + " "
     for task_obj in target.tasks.values():  # waiting copies of these tasks are published from here
         handoff.register(task_obj)
+    assert isinstance(target.server, LockServer)  # a quorum was released above, on every member
     target.server.send_handoff = handoff.SEND
     try:
         done = line_ops.force_release(target.server, key, expected)

@@ -27,6 +27,7 @@ import click
 
 from .. import handoff
 from ..engine import layout, line_ops
+from ..engine.server import LockServer
 from ..exceptions import LockError
 from ..headers import PARKED_AT
 from .base import Target, audit, fail, locks, open_target, who_am_i
@@ -131,6 +132,8 @@ def drop(ctx: click.Context, key: str, task_id: str, yes: bool) -> None:
             ctx.exit(1)
     for task in target.tasks.values():  # a waiter the key passes to is published from here
         handoff.register(task)
+    if not isinstance(target.server, LockServer):
+        fail(f"{target.url} has no waiting line (a quorum of masters orders none)")
     target.server.send_handoff = handoff.SEND
     try:
         removed, handoffs = line_ops.remove(target.server, key, task_id)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.server import LockServer
+from ..engine.server import LockBackend
 from ..topologies.cluster import ClusterLockServer
 from ..topologies.quorum import QuorumLockServer
 
@@ -26,7 +26,7 @@ class Node:
     client: Any
 
 
-def nodes_of(server: LockServer) -> tuple[list[Node], int]:
+def nodes_of(server: LockBackend) -> tuple[list[Node], int]:
     """The nodes to read, and the majority needed for a verdict (0: not a quorum, one node decides)."""
     if isinstance(server, QuorumLockServer):
         return [Node(m.url, m.client) for m in server.members], server.majority
@@ -36,7 +36,7 @@ def nodes_of(server: LockServer) -> tuple[list[Node], int]:
     return [Node(server.url, server.client)], 0
 
 
-def node_of_key(server: LockServer, key: str) -> Node:
+def node_of_key(server: LockBackend, key: str) -> Node:
     """The node that holds ``key`` (the master of its slot on a Cluster; the one Redis otherwise)."""
     if isinstance(server, ClusterLockServer):
         node = server.cluster.get_node_from_key(key)

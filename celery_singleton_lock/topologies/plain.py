@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,25 +22,21 @@ from typing import cast
 from ..engine import reentry
 from ..engine.line import wait_turn
 from ..engine.lock import Done, Holder, Lock, Verdict, slot_safe
-from ..engine.server import LockServer
+from ..engine.server import LockBackend, LockServer
 from ..exceptions import LockContended
 from ..watchdog.process import get_watchdog
-from .servers import from_settings
-
-_servers: dict[str, LockServer] = {}
-_servers_lock = threading.Lock()
+from .servers import shared
 
 
-def _server(url: str) -> LockServer:
-    with _servers_lock:
-        if url not in _servers:
-            _servers[url] = from_settings(url)  # one Redis or a Cluster (Sentinel: pass a LockServer)
-        return _servers[url]
+def _server(url: str) -> LockBackend:
+    """The process's LockServer for ``url`` (one Redis, a Cluster or a quorum; Sentinel: pass a LockServer),
+    the same one a task on that URL uses."""
+    return shared(url)
 
 
 @contextmanager
 def held(
-    server: LockServer | str,
+    server: LockBackend | str,
     name: str,
     ttl: float = 30.0,
     *,
@@ -79,7 +74,7 @@ def held(
                     yield lock
                 return
     if not isinstance(outcome, Lock) and wait > 0:
-        if server.supports_line:
+        if isinstance(server, LockServer):  # one Redis orders its waiters: a line
             outcome = wait_turn(server, name, ttl, owner_id=owner_id, wait=wait)
         else:  # a quorum of masters orders no line: try again with back-off until the wait runs out
             outcome = _poll(server, name, ttl, owner_id, wait)
@@ -99,7 +94,7 @@ def held(
 
 
 def _poll(
-    server: LockServer, name: str, ttl: float, owner_id: str | None, wait: float,
+    server: LockBackend, name: str, ttl: float, owner_id: str | None, wait: float,
 ) -> Lock | Holder | Verdict | Done:
     """Try again every 20 ms doubling to 0.5 s, until ``wait`` runs out (quorum mode)."""
     deadline = time.monotonic() + wait

@@ -56,7 +56,7 @@ from typing import Any
 from ..engine import layout, scripts, wire
 from ..engine.addresses import redact_url
 from ..engine.lock import Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
-from ..engine.server import TOKEN_BYTES, LockServer
+from ..engine.server import TOKEN_BYTES, HandoffSender, LockServer
 from ..exceptions import LockBackendUnavailable, LockError
 from .fanout import PENDING, SKIPPED, MemberPipe, gather
 
@@ -81,17 +81,20 @@ data is younger than a lock's TTL may have lost a lock it granted (Redlock's res
 vote alone does not count until a TTL has passed (the automatic form of Redlock's delayed restart)."""
 
 
-class QuorumLockServer(LockServer):
+class QuorumLockServer:
     """N >= 3 independent Redis masters, used as one lock server (see the module doc).
 
-    A LockServer by interface: every operation is overridden to go to the members.
+    A :class:`~celery_singleton_lock.engine.server.LockBackend` (not a LockServer: there is no single
+    Redis to run a script on, so no waiting line): every operation goes to the members.
     """
 
     supports_line = False
 
-    def __init__(self, members: Sequence[LockServer]) -> None:  # no single client to wrap: no super().__init__
-        self.send_handoff = None
+    def __init__(self, members: Sequence[LockServer]) -> None:
+        self.send_handoff: HandoffSender | None = None  # nothing is handed on: no line
+        self.turn_timeout = 0.0
         self.min_replicas = 0
+        self.replica_timeout = 0.0
         self.client = members[0].client  # for operators' plain reads; the locks live on every member
         if len(members) < 3:
             raise ValueError(f"a quorum needs at least 3 independent Redis servers, got {len(members)}")
@@ -102,7 +105,7 @@ class QuorumLockServer(LockServer):
         self.timeout = max(m.client.connection_pool.connection_kwargs.get("socket_timeout") or MEMBER_TIMEOUT
                            for m in members)
         """Seconds an operation waits for a majority's answers (the members' socket timeout)."""
-        self._twins: dict[float, LockServer] = {}
+        self._twins: dict[float, QuorumLockServer] = {}
         self._reached: dict[str, list[int]] = {}
         """token -> the members its acquire may have taken the key on (its release must reach them)."""
 
@@ -118,7 +121,7 @@ class QuorumLockServer(LockServer):
         for m in self.members:
             m.close()
 
-    def with_timeout(self, seconds: float) -> LockServer:
+    def with_timeout(self, seconds: float) -> QuorumLockServer:
         """A twin that waits ``seconds`` at most for a majority, on the same connections (so a release
         through it is still written behind the acquire it undoes)."""
         twin = self._twins.get(seconds)
@@ -130,12 +133,6 @@ class QuorumLockServer(LockServer):
 
     def error(self, exc: Exception, key: str) -> LockError:
         return self.members[0].error(exc, key)
-
-    def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False) -> Any:
-        raise LockError(
-            f"{self.url}: the waiting line needs one Redis that orders its waiters; in quorum mode a duplicate "
-            "backs off and tries again (on_duplicate='retry' acts as 'backoff')"
-        )
 
     def dispatch(self, handoffs: Any) -> None:
         """Nothing to send: no line in quorum mode."""

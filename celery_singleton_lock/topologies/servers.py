@@ -38,12 +38,12 @@ from typing import Any
 from ..engine.addresses import redact_url
 from ..engine.lock import check_ttl
 from ..engine.plumbing import DEFAULT_REPLICA_TIMEOUT
-from ..engine.server import LockServer
+from ..engine.server import LockBackend, LockServer
 from .cluster import ClusterLockServer
 from .sentinel import SentinelLockServer
 from .urls import redis_url_for, topology
 
-__all__ = ["from_settings", "SentinelLockServer", "ClusterLockServer", "topology"]
+__all__ = ["from_settings", "shared", "SentinelLockServer", "ClusterLockServer", "topology"]
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -56,8 +56,8 @@ def from_settings(
     redis_options: dict[str, Any] | None = None,
     min_replicas: int = 0,
     replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
-) -> LockServer:
-    """The LockServer for ``url``: one Redis, Sentinel (``sentinel://...;sentinel://...``, with
+) -> LockBackend:
+    """The lock server for ``url``: one Redis, Sentinel (``sentinel://...;sentinel://...``, with
     ``transport_options["master_name"]``) or Redis Cluster (``redis+cluster://h:p,h:p``).
 
     ``redis_options`` go to every connection to a data node (not to the Sentinels: those take
@@ -70,7 +70,7 @@ def from_settings(
     kind = topology(url)
     url = url if kind == "quorum" else redis_url_for(url)
     options = dict(redis_options or {})
-    server: LockServer
+    server: LockBackend
     if kind == "sentinel":
         server = SentinelLockServer.from_url(url, transport_options or {}, **options)
     elif kind == "cluster":
@@ -83,6 +83,38 @@ def from_settings(
         server = LockServer.from_url(url, **options)
     server.min_replicas = min_replicas
     server.replica_timeout = replica_timeout
+    return server
+
+
+# -- one LockServer per connection and process ---------------------------------------------------
+
+_shared: dict[tuple[str, ...], LockBackend] = {}
+_shared_lock = threading.Lock()
+
+
+def shared(url: str, *, transport_options: dict[str, Any] | None = None, redis_options: dict[str, Any] | None = None,
+           min_replicas: int = 0, replica_timeout: float = DEFAULT_REPLICA_TIMEOUT) -> LockBackend:
+    """The process's one LockServer for this connection (:func:`from_settings` on first use): what
+    tasks (``config.server_for``) and ``held(url, ...)`` both use, so a lock taken by one is found
+    by the other (reentrancy).
+
+    Servers are told apart by their whole connection identity (the full URL with its credentials,
+    and the client options), never by the redacted URL. The first use logs where the locks live and
+    checks the server's eviction policy.
+    """
+    key = (url, repr(sorted((redis_options or {}).items())), repr(sorted((transport_options or {}).items())),
+           str(min_replicas), repr(replica_timeout))
+    server = _shared.get(key)
+    if server is None:
+        with _shared_lock:
+            server = _shared.get(key)
+            if server is None:
+                server = from_settings(url, transport_options=transport_options, redis_options=redis_options,
+                                       min_replicas=min_replicas, replica_timeout=replica_timeout)
+                logger.info("celery-singleton-lock: locks live at %s", redact_url(url))
+                for member in getattr(server, "members", [server]):  # every master of a quorum
+                    check_eviction_policy(member.client, member.url)
+                _shared[key] = server
     return server
 
 

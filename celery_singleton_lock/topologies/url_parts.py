@@ -26,16 +26,28 @@ def shown_url(value: Any) -> str:
     return repr(redact_url(value)) if isinstance(value, str) else repr(value)
 
 
-def sentinel_part(url: str) -> str:
-    """One ``sentinel://[:password@]host:port[/db]``, checked: a host, a numeric port and db, no query."""
+def _split(url: str) -> tuple[str, Any]:
+    """The URL as shown in errors (redacted), and its parts; a clear ValueError where a parser would
+    misread it (a raw '#', or a port that is not a number)."""
     shown = shown_url(url)
     if "#" in url:
         raise ValueError(f"{shown} has a '#', which ends a URL: percent-encode a '#' in a password as %23")
     try:
         parts = urlsplit(url)
-        port = parts.port
+        parts.port  # noqa: B018 - raises on a port that is not a number
     except ValueError:
-        raise ValueError(f"{shown} is not a valid URL: its port is not a number") from None
+        # not the parser's message: with a raw '/' or '?' in a password, the "port" it quotes is the password
+        raise ValueError(
+            f"{shown} is not a valid URL: its port is not a number (percent-encode '/', '?', '#' and '@' "
+            "in a password)"
+        ) from None
+    return shown, parts
+
+
+def sentinel_part(url: str) -> str:
+    """One ``sentinel://[:password@]host:port[/db]``, checked: a host, a numeric port and db, no query."""
+    shown, parts = _split(url)
+    port = parts.port
     if not parts.hostname:
         raise ValueError(f"{shown} names no Sentinel host: sentinel://host:26379/db")
     if parts.query:
@@ -73,18 +85,7 @@ def cluster_url(url: str) -> str:
 
 def one_redis_url(url: str) -> str:
     """:func:`redis_url_for` of one Redis server."""
-    shown = shown_url(url)
-    if "#" in url:
-        raise ValueError(f"{shown} has a '#', which ends a URL: percent-encode a '#' in a password as %23")
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises on a port that is not a number
-    except ValueError:
-        # not the parser's message: with a raw '/' or '?' in a password, the "port" it quotes is the password
-        raise ValueError(
-            f"{shown} is not a valid URL: its port is not a number (percent-encode '/', '?', '#' and '@' "
-            "in a password)"
-        ) from None
+    shown, parts = _split(url)
     query, virtual_host, db_in_query = _query_for_redis_py(parts.query, parts.scheme, shown)
     scheme, path = parts.scheme, parts.path
     if scheme in ("redis", "rediss"):
