@@ -733,3 +733,57 @@ def test_finished_locks_leave_nothing_that_outlives_two_minutes_on_any_member(qu
         ttls = [client.pttl(k) for k in left]
         assert all(0 < t <= FENCE_KEEP * 1000 for t in ttls), sorted(ttls)[-3:]
         assert FENCE_KEEP + 5.0 < 120.0  # so 2 minutes after the run, nothing of these is left
+
+
+def test_a_member_reconnected_many_times_keeps_working(quorum, masters):
+    """(review of the fan-out) Every reconnect to a member used to take a slot of its client's
+    connection pool for good: after 100 (restarts, killed connections) the member was lost to this
+    process ("Too many connections") for its whole life."""
+    key = name()
+    admin = masters[0].client(2)
+    for i in range(110):
+        lock = quorum.acquire(key, 5.0, owner_id=f"t{i}")
+        assert isinstance(lock, Lock)
+        quorum.release(lock)
+        admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")  # every client but this one
+    lock = None
+    for _ in range(3):  # the first use after a kill finds the connection broken; the next reconnects
+        got = quorum.acquire(key, 5.0, owner_id="last")
+        if isinstance(got, Lock) and admin.get(got.key) is not None:
+            lock = got
+            break
+        if isinstance(got, Lock):
+            quorum.release(got)
+    assert lock is not None, "member 0 no longer takes part"
+    quorum.members[0].client.ping()  # and its own client still has connections to give
+    quorum.release(lock)
+
+
+def test_a_forked_child_does_not_inherit_a_member_stuck_in_its_parent(quorum, masters):
+    """(review of the fan-out) A parent with a command still unanswered on a member (stopped when it
+    was sent) forks: the child starts with its own connections, and asks that member like any other."""
+    import multiprocessing
+
+    key = name()
+    masters[2].pause()
+    try:
+        lock = quorum.acquire(key, 5.0, owner_id="parent")
+        assert isinstance(lock, Lock)
+        quorum.release(lock)
+    finally:
+        masters[2].resume()
+    time.sleep(0.3)  # the parent's call on member 2 is now "stuck" by its age, though answered meanwhile
+
+    def child(q: QuorumLockServer, key: str, out: multiprocessing.Queue) -> None:
+        got = q.acquire(key, 5.0, owner_id="child")
+        out.put(isinstance(got, Lock) and masters[2].client(2).get(got.key) is not None)
+        if isinstance(got, Lock):
+            q.release(got)
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    proc = ctx.Process(target=child, args=(quorum, key, out))
+    proc.start()
+    proc.join(20)
+    assert proc.exitcode == 0
+    assert out.get(timeout=5) is True, "the child skipped member 2, stuck only in its parent"

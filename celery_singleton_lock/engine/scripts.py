@@ -385,9 +385,10 @@ Q_ACQUIRE = """
 -- KEYS[5] this attempt's tombstone (Q_RELEASE), ARGV[7] ms since 1970 after which this attempt
 -- is too late to take anything (a member that was stopped or slow runs it long after it was sent).
 -- ARGV[8] the client's proposed fence (its clock in microseconds), ARGV[9] how far (microseconds)
--- it may be from this server's clock, ARGV[10] ms to keep the floor.
+-- it may be from this server's clock, ARGV[10] ms to keep the floor, ARGV[11] ms after its data
+-- began during which this server's vote alone is not trusted (at least the ttl).
 -- Returns {1, fence} taken (our own token: taken back), {4, fence} taken by a server whose data
--- is younger than the ttl (it may have lost a lock it granted before: its vote alone is not
+-- is younger than ARGV[11] (it may have lost a lock it granted before: its vote alone is not
 -- trusted), {0, value, pttl} held, {2} already succeeded, {3} too late: released or past ARGV[7].
 -- The fence is the client's proposal, kept within ARGV[9] of this server's clock, and above its
 -- floor; the floor rises to it here. Members that agree answer the same fence, and each already
@@ -401,7 +402,7 @@ if since == 0 then
   since = now
 end
 local taken = 1
-if now - since < tonumber(ARGV[3]) then taken = 4 end
+if now - since < tonumber(ARGV[11]) then taken = 4 end
 if ARGV[5] == '1' then
   local until_ms = redis.call('ZSCORE', KEYS[3], ARGV[4])
   if until_ms and tonumber(until_ms) > now then return {2} end

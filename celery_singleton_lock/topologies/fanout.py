@@ -22,6 +22,7 @@ import os
 import select
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,9 +36,29 @@ from ..exceptions import LockBackendUnavailable
 STUCK_AFTER = 0.1
 """Seconds a member may take over a command before the next optional ones skip it (a stopped member)."""
 RECONNECT_AFTER = 0.2
-"""Seconds a member whose connection could not be made is left alone before the next try."""
+"""Seconds a member whose connection could not be made is left alone before the next try (doubling
+after each failure, up to RECONNECT_MAX)."""
+RECONNECT_MAX = 5.0
+CONNECT_TIMEOUT = 0.25
+"""At most this long to connect to a member (a host that drops packets must not hold every operation)."""
+READ_TIMEOUT = 0.05
+"""A reply begun but not finished within this is a broken connection (it is dropped, not waited on)."""
+STALE_AFTER = 120.0
+"""A member silent this long on its oldest command (a host gone without a word) gets a new connection."""
 POLL = 0.002
 """Longest sleep in :func:`gather` between looks: another thread may read our reply off the socket."""
+
+_pipes: weakref.WeakSet[MemberPipe] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """A forked child: the parent's sockets, answers and locks are not its own (a lock held by another
+    thread of the parent at the fork would never be released here)."""
+    for pipe in list(_pipes):
+        pipe._reset()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 PENDING: Any = object()
 """A member asked and not answered yet (in :func:`gather`'s results)."""
@@ -45,14 +66,19 @@ SKIPPED = LockBackendUnavailable("(quorum member)", "still busy with an earlier 
 """A member not asked: busy (see STUCK_AFTER), or not among those the operation goes to."""
 
 
+class NotSent(LockBackendUnavailable):
+    """The command never left this process (no connection to the member): it cannot run there later."""
+
+
 class Call:
     """What one operation sent to one member: ``parts`` commands, answered in order."""
 
-    __slots__ = ("sent", "parts", "replies", "reply", "done")
+    __slots__ = ("sent", "parts", "replies", "reply", "done", "handshake")
 
-    def __init__(self, sent: float, parts: int = 1) -> None:
+    def __init__(self, sent: float, parts: int = 1, *, handshake: bool = False) -> None:
         self.sent = sent
         self.parts = parts
+        self.handshake = handshake  # AUTH, SELECT, SCRIPT LOAD: an error reply breaks the connection
         self.replies: list[Any] = []
         self.reply: Any = None  # the one reply, or the list of replies (parts > 1), or an error
         self.done = False
@@ -68,11 +94,15 @@ class MemberPipe:
         self.server = server
         self.url = server.url
         self._shas = {s: hashlib.sha1(s.encode()).hexdigest() for s in scripts}  # noqa: S324 (Redis's own SHA1)
+        self._reset()
+        _pipes.add(self)
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
         self._conn: Any = None
-        self._pid = os.getpid()
         self._calls: deque[Call] = deque()  # sent, not yet answered, oldest first
         self._retry_at = 0.0
+        self._backoff = RECONNECT_AFTER
 
     # -- sending ----------------------------------------------------------------
 
@@ -84,30 +114,37 @@ class MemberPipe:
         with self._lock:
             now = time.monotonic()
             self._pump()
+            if self._calls and now - self._calls[0].sent > STALE_AFTER:
+                self._fail_all(ConnectionError(f"no answer for {STALE_AFTER:g}s"))
             if self._calls and now - self._calls[0].sent > STUCK_AFTER and not force:
                 return None
             call = Call(now, len(commands))
             try:
                 conn = self._connection(now)
+            except (RedisError, OSError, LockBackendUnavailable) as exc:
+                call.finish(NotSent(self.url, str(exc) or type(exc).__name__))
+                return call
+            try:
                 sha = self._shas[script]
                 conn.send_packed_command([b"".join(wire.pack(sha, k, a) for k, a in commands)], check_health=False)
-            except (RedisError, OSError, LockBackendUnavailable) as exc:
+            except (RedisError, OSError) as exc:
                 self._fail_all(exc)
-                unavailable = exc if isinstance(exc, LockBackendUnavailable) else None
-                call.finish(unavailable or LockBackendUnavailable(self.url, str(exc) or type(exc).__name__))
+                call.finish(LockBackendUnavailable(self.url, str(exc) or type(exc).__name__))
                 return call
             self._calls.append(call)
             return call
 
     def _connection(self, now: float) -> Any:
         """The connection (made now if needed, with every script loaded ahead of the first command)."""
-        if self._pid != os.getpid():  # a forked child: the parent's socket and answers are not ours
-            self._pid, self._conn, self._calls = os.getpid(), None, deque()
         if self._conn is not None:
             return self._conn
         if now < self._retry_at:
             raise LockBackendUnavailable(self.url, "could not connect a moment ago")
-        conn = self.server.client.connection_pool.make_connection()
+        pool = self.server.client.connection_pool  # a connection of our own, not one of the pool's slots
+        kwargs = dict(pool.connection_kwargs)
+        kwargs["socket_connect_timeout"] = min(kwargs.get("socket_connect_timeout") or CONNECT_TIMEOUT,
+                                               CONNECT_TIMEOUT)
+        conn = pool.connection_class(**kwargs)
         # The handshake (AUTH, SELECT) is pipelined ahead of the scripts rather than waited for at
         # connect: a stopped member accepts the TCP connection but answers nothing, and this thread
         # must not wait on it. So connect() gets nothing to send (no CLIENT SETINFO either).
@@ -119,12 +156,14 @@ class MemberPipe:
             conn.send_packed_command([b"".join(hello + [_pack("SCRIPT", "LOAD", s) for s in self._shas])],
                                      check_health=False)
         except (RedisError, OSError):
-            self._retry_at = now + RECONNECT_AFTER
+            self._retry_at = now + self._backoff
+            self._backoff = min(self._backoff * 2, RECONNECT_MAX)
             conn.disconnect()
             raise
         self._conn = conn
+        self._backoff = RECONNECT_AFTER
         for _ in range(len(hello) + len(self._shas)):
-            self._calls.append(Call(now))  # their answers (OK, the SHAs) are read and dropped like any other
+            self._calls.append(Call(now, handshake=True))  # their answers (OK, the SHAs) are read and dropped
         return conn
 
     # -- reading ----------------------------------------------------------------
@@ -136,7 +175,7 @@ class MemberPipe:
 
     def _pump(self) -> None:
         conn = self._conn
-        if conn is None or self._pid != os.getpid():
+        if conn is None:
             return
         if not self._calls:  # nothing expected: something to read means the server closed it (a restart)
             try:
@@ -150,11 +189,15 @@ class MemberPipe:
                 if not conn.can_read(0):
                     return
                 try:
-                    reply = conn.read_response(disconnect_on_error=False)
+                    reply = self._read_one(conn)
                 except NoScriptError as exc:  # a SCRIPT FLUSH: fail what waits, load them again on a new connection
                     self._fail_all(exc)
                     return
                 except ResponseError as exc:
+                    if self._calls[0].handshake:  # a wrong password, a database that does not exist
+                        self._retry_at = time.monotonic() + self._backoff
+                        self._fail_all(exc)
+                        return
                     reply = exc
             except (RedisError, OSError) as exc:
                 self._fail_all(exc)
@@ -164,6 +207,19 @@ class MemberPipe:
             if len(call.replies) == call.parts:
                 self._calls.popleft()
                 call.finish(call.replies[0] if call.parts == 1 else call.replies)
+
+    @staticmethod
+    def _read_one(conn: Any) -> Any:
+        """One reply, already arriving (can_read said so): a reply begun but not finished within
+        READ_TIMEOUT raises (the connection is then dropped), so a member frozen in the middle of a
+        reply cannot hold the other members' operations, which wait on this pipe's lock."""
+        sock = conn._sock
+        sock.settimeout(READ_TIMEOUT)
+        try:
+            return conn.read_response(disconnect_on_error=False)
+        finally:
+            if conn._sock is sock:
+                sock.settimeout(conn.socket_timeout)
 
     def _fail_all(self, exc: BaseException) -> None:
         """The connection broke: every command still waiting on it failed; the next send connects anew."""
@@ -176,8 +232,10 @@ class MemberPipe:
             self._conn = None
 
     def fileno(self) -> int | None:
+        """The socket's descriptor, None when there is none (read without the lock: may be stale)."""
         sock = getattr(self._conn, "_sock", None)
-        return sock.fileno() if sock is not None else None
+        fd = sock.fileno() if sock is not None else -1
+        return fd if fd >= 0 else None
 
     def close(self) -> None:
         with self._lock:
@@ -209,10 +267,13 @@ def gather(pipes: Sequence[MemberPipe], calls: Sequence[Call | None], decided: C
         poller = select.poll()  # not select.select: no limit on the descriptor's number
         for fd in (pipes[i].fileno() for i in waiting):
             if fd is not None:
-                poller.register(fd, select.POLLIN)
+                try:
+                    poller.register(fd, select.POLLIN)
+                except (OSError, ValueError):  # closed meanwhile
+                    pass
         try:
             poller.poll(max(1, int(min(left, POLL) * 1000)))
-        except OSError:  # a socket closed by another thread meanwhile: look again
+        except (OSError, ValueError):  # a socket closed by another thread meanwhile: look again
             pass
 
 

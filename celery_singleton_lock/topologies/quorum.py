@@ -58,13 +58,17 @@ from ..engine.addresses import redact_url
 from ..engine.lock import Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
 from ..engine.server import TOKEN_BYTES, HandoffSender, LockServer
 from ..exceptions import LockBackendUnavailable, LockError
-from .fanout import PENDING, SKIPPED, MemberPipe, gather
+from .fanout import PENDING, SKIPPED, MemberPipe, NotSent, gather
 
 logger = logging.getLogger("celery_singleton_lock")
 
 CLOCK_WINDOW = 1.0
 """Seconds the client's proposed fence may be from a member's clock before the member moves it (see
 the module doc): clocks that agree this well make every member answer the same fence."""
+YOUNG_FOR = 2 * CLOCK_WINDOW + 1.0
+"""Seconds at least that a member restarted empty does not vote alone (its lock's ttl if longer): a
+token may be up to CLOCK_WINDOW ahead of a member's clock and the next one as far behind, so a floor
+lost in a restart must not matter until the clocks have passed it."""
 FENCE_KEEP = 60.0
 """Seconds a key's fencing floor lives on each member after it was written (see the module doc:
 past it, fencing rests on the members' clocks agreeing within this)."""
@@ -156,11 +160,13 @@ class QuorumLockServer:
         return [LockBackendUnavailable(self.members[i].url, "no answer in time") if r is PENDING else r
                 for i, r in enumerate(results)]
 
-    def _settled(self, yes: Callable[[Any], bool]) -> Callable[[list[Any]], bool]:
-        """Decided once a majority said yes, or so many said no (or could not) that no majority can."""
+    def _settled(self, yes: Callable[[Any], bool],
+                 maybe: Callable[[Any], bool] = lambda r: False) -> Callable[[list[Any]], bool]:
+        """Decided once a majority said yes, or so many said no (or could not) that no majority can.
+        A ``maybe`` answer is no "no" (a young member's grant: a majority of those still counts)."""
         def decided(results: list[Any]) -> bool:
             ayes = sum(1 for r in results if _ok(r) and yes(r))
-            nays = sum(1 for r in results if r is not PENDING and not (_ok(r) and yes(r)))
+            nays = sum(1 for r in results if r is not PENDING and not (_ok(r) and (yes(r) or maybe(r))))
             return ayes >= self.majority or nays > len(results) - self.majority
         return decided
 
@@ -183,14 +189,16 @@ class QuorumLockServer:
         token = token or secrets.token_hex(TOKEN_BYTES)
         too_late = int((time.time() + ttl + LATE) * 1000)
         args = (token, wire.meta(owner_id), ms(ttl), owner_id or "", "1" if check_done else "", retake or "",
-                too_late, _proposal(), int(CLOCK_WINDOW * 1e6), ms(FENCE_KEEP))
+                too_late, _proposal(), int(CLOCK_WINDOW * 1e6), ms(FENCE_KEEP), ms(max(ttl, YOUNG_FOR)))
         sent = time.monotonic()
 
         keys = (key, layout.floor(key), layout.done(key), SINCE, layout.tomb(key, token))
-        replies = self._fan_out(scripts.Q_ACQUIRE, [(keys, args)], self._settled(lambda r: int(r[0]) == 1))
+        replies = self._fan_out(scripts.Q_ACQUIRE, [(keys, args)],
+                                self._settled(lambda r: int(r[0]) == 1, maybe=lambda r: int(r[0]) == 4))
         # where this acquire may have taken the key: granted, or sent and not answered (it may run later)
-        self._reached[token] = [i for i, r in enumerate(replies)
-                                if r is not SKIPPED and not (_ok(r) and int(r[0]) in (0, 2, 3))]
+        self._reached[token] = [i for i, r in enumerate(replies)  # not sent at all: it cannot run later
+                                if r is not SKIPPED and not isinstance(r, NotSent)
+                                and not (_ok(r) and int(r[0]) in (0, 2, 3))]
         if any(_ok(r) and int(r[0]) == 2 for r in replies):
             self._give_back_all(key, token)
             return Verdict.ALREADY_SUCCEEDED
@@ -198,10 +206,10 @@ class QuorumLockServer:
         young = [(i, int(r[1])) for i, r in enumerate(replies) if _ok(r) and int(r[0]) == 4]
         granted = trusted
         if len(trusted) < self.majority and len(young) >= self.majority:
-            # A majority whose data is younger than the ttl: a new deployment, or a majority that
+            # A majority whose data is younger than max(ttl, YOUNG_FOR): a new deployment, or a majority that
             # restarted empty at once, which no quorum can survive. Only then do their votes count.
             logger.warning("%s: a majority of the quorum's servers started empty less than %gs ago; "
-                           "taking %s on their votes", self.url, ttl, key)
+                           "taking %s on their votes", self.url, max(ttl, YOUNG_FOR), key)
             granted = trusted + young
         elapsed = time.monotonic() - sent
         validity = ttl - elapsed - DRIFT * ttl - 0.002
