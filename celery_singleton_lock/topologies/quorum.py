@@ -160,15 +160,23 @@ class QuorumLockServer:
         return [LockBackendUnavailable(self.members[i].url, "no answer in time") if r is PENDING else r
                 for i, r in enumerate(results)]
 
-    def _settled(self, yes: Callable[[Any], bool],
-                 maybe: Callable[[Any], bool] = lambda r: False) -> Callable[[list[Any]], bool]:
-        """Decided once a majority said yes, or so many said no (or could not) that no majority can.
-        A ``maybe`` answer is no "no" (a young member's grant: a majority of those still counts)."""
+    def _settled(self, yes: Callable[[Any], bool]) -> Callable[[list[Any]], bool]:
+        """Decided once a majority said yes, or so many said no (or could not) that no majority can."""
         def decided(results: list[Any]) -> bool:
             ayes = sum(1 for r in results if _ok(r) and yes(r))
-            nays = sum(1 for r in results if r is not PENDING and not (_ok(r) and (yes(r) or maybe(r))))
+            nays = sum(1 for r in results if r is not PENDING and not (_ok(r) and yes(r)))
             return ayes >= self.majority or nays > len(results) - self.majority
         return decided
+
+    def _acquire_decided(self, results: list[Any]) -> bool:
+        """An acquire is decided once a majority granted it; or once no majority can grant, young
+        grants (status 4) counted as grants still to come; or once so many are young that no trusted
+        majority can be, and trusted and young grants together make a majority (see acquire)."""
+        status = [int(r[0]) if _ok(r) else -1 for r in results if r is not PENDING]
+        trusted, young = status.count(1), status.count(4)
+        spare = len(results) - self.majority
+        nays = len(status) - trusted - young
+        return trusted >= self.majority or nays > spare or (young > spare and trusted + young >= self.majority)
 
     def _answered(self, results: list[Any]) -> bool:
         """Decided once a majority answered at all."""
@@ -193,8 +201,7 @@ class QuorumLockServer:
         sent = time.monotonic()
 
         keys = (key, layout.floor(key), layout.done(key), SINCE, layout.tomb(key, token))
-        replies = self._fan_out(scripts.Q_ACQUIRE, [(keys, args)],
-                                self._settled(lambda r: int(r[0]) == 1, maybe=lambda r: int(r[0]) == 4))
+        replies = self._fan_out(scripts.Q_ACQUIRE, [(keys, args)], self._acquire_decided)
         # where this acquire may have taken the key: granted, or sent and not answered (it may run later)
         self._reached[token] = [i for i, r in enumerate(replies)  # not sent at all: it cannot run later
                                 if r is not SKIPPED and not isinstance(r, NotSent)
