@@ -8,6 +8,7 @@ ADDSLOTS from Python (no redis-cli needed). Nothing here touches a Redis it did 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,8 +24,6 @@ from .servers import RedisServer, find_redis_server, wait_until
 
 def _free_cluster_port() -> int:
     """A free loopback port whose cluster bus port (+10000) is free too (Redis 6.2 has no ``cluster-port``)."""
-    import random
-
     for _ in range(200):
         port = random.randint(20000, 40000)
         try:
