@@ -30,6 +30,7 @@ from kombu.serialization import dumps, loads
 
 from . import turns
 from .engine import layout
+from .engine import sweeper as sweeping
 from .engine.lock import Handoff
 from .engine.server import HandoffSender, LockServer
 from .headers import ENTRY, EXPIRED, PARKED_AT, QUEUE, RECOVERED
@@ -77,9 +78,33 @@ _apps: dict[str, Celery] = {}
 task must go through its own app's broker."""
 
 
+_heads: set[str] = set()
+"""``<prefix>:<task name>``, the start of the lock keys of every task this process can send."""
+_prefixes: set[str] = set()
+
+
 def register(task: Any) -> None:
-    """Remember which app sends ``task``'s waiting copies (called when the task first locks)."""
+    """Remember which app sends ``task``'s waiting copies (called when the task first locks), and let
+    this process's sweeper look only at lines whose waiters it can send (:func:`knows_key`)."""
     _apps[task.name] = task.app
+    try:
+        prefix = task.lock_settings().prefix
+    except ValueError:
+        return  # its settings are refused at its first lock, with a clear error
+    _heads.add(f"{prefix}:{task.name}")
+    _prefixes.add(prefix)
+    sweeping.get_sweeper().sweepable = knows_key
+
+
+def knows_key(key: str) -> bool:
+    """Whether this process can send the waiters of lock ``key``: False for a task's key (under a prefix
+    of ours) whose task no app here knows. Another app on the same lock Redis and prefix has its own
+    workers, and their sweepers send them (before, a sweeper here timed such a waiter out and could not
+    send its copy: it stayed WAITING for ever). A plain ``held()`` name is always ours to sweep."""
+    head, tag, _ = key.rpartition(":{")
+    if not tag or head in _heads:
+        return True
+    return not any(head.startswith(prefix + ":") for prefix in _prefixes)
 
 
 def send(server: LockServer, handoff: Handoff) -> bool:

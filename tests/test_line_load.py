@@ -39,7 +39,7 @@ from _task_support import (
 from celery import Celery
 from conftest import make_app
 
-from celery_singleton_lock import LockServer, LockWaitTimeout, held
+from celery_singleton_lock import LockedTask, LockServer, LockWaitTimeout, held
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.engine import scripts
 from celery_singleton_lock.engine.line import SWEEP_INTERVAL, SWEEP_LEASE
@@ -153,6 +153,8 @@ def publishes(wa, task_id: str) -> list[dict]:
 def line_of(locks, key: str) -> list[str]:
     """The task ids in ``key``'s line, next first."""
     entries = locks.lrange(key + ":q", 0, -1)
+    if not entries:
+        return []
     return [rec.split(b"\n", 4)[3].decode() for rec in locks.hmget(key + ":w", entries) if rec]
 
 
@@ -601,3 +603,57 @@ def test_a_late_copy_never_takes_a_free_key_ahead_of_live_waiters(redis_server):
         assert [h.owner_id for h in handed] == ["a"], "the oldest waiter first"
     finally:
         server.close()
+
+
+@pytest.mark.slow
+def test_a_sweeper_leaves_alone_the_waiters_of_a_task_its_process_cannot_send(redis_server, tmp_path_factory):
+    """Two apps share one lock Redis and prefix. Only app A's process sweeps while app B's waiter runs
+    out of lock_max_wait: A's sweeper must leave B's line alone (before: it timed the waiter out,
+    could not send B's task, and the waiter stayed WAITING for ever). Once a worker of B runs again,
+    its own sweeper fails the waiter with LockWaitTimeout."""
+    from celery_singleton_lock.engine import sweeper as sweeping
+
+    logdir = tmp_path_factory.mktemp("foreign-sweeper")
+    wa = load_worker_app(redis_server)
+    queue_b = f"csl-fs-{uuid.uuid4().hex[:8]}"
+    k = f"foreign-{uuid.uuid4().hex[:8]}"
+    key = wa.in_line_wait6.lock_key_for((k,), {})
+    client = Celery(f"client-{uuid.uuid4().hex[:6]}", broker=redis_server.url(0), backend=redis_server.url(1),
+                    set_as_current=False)
+    client.conf.update(result_expires=None)
+    # app A, in this process, on the same lock Redis and prefix (a database of their own, so that no
+    # other test's workers sweep it): its sweeper watches the index
+    lock_url = redis_server.url(5)
+    app_a = make_app(redis_server)
+    app_a.conf.singleton_lock_url = lock_url
+
+    @app_a.task(base=LockedTask, shared=False, name=f"a.job_{uuid.uuid4().hex[:6]}")
+    def a_job(n):
+        return n
+
+    server_a = a_job.lock_server()
+    sweeping.get_sweeper().watch(server_a, a_job.lock_settings().index)
+    # this process stands for app A alone: forget B's task if an earlier test here ever locked with it
+    from celery_singleton_lock import handoff
+
+    handoff._apps.pop(wa.in_line_wait6.name, None)
+    handoff._heads.discard(f"{wa.in_line_wait6.lock_settings().prefix}:{wa.in_line_wait6.name}")
+    plain = LockServer.from_url(lock_url)
+    env = {**WORKER_ENV, "CSL_LOCK_TTL": "5", "CSL_LOCK_URL": lock_url}
+    worker = start_worker_process(redis_server, logdir, concurrency=1, env=env, extra=("-Q", queue_b), name="b1")
+    try:
+        worker.wait_ready(90)
+        with held(plain, key, ttl=30):  # the key is held (by plain code here) for the whole test
+            late = client.send_task("apps.worker_app.in_line_wait6", (k, "late"), queue=queue_b)
+            wait_until(lambda: late.state == "WAITING", TIMEOUT, 0.05, "B's task to wait in the line")
+            worker.stop()  # no process of B left: only A's sweeper looks at the line
+            time.sleep(6 + SWEEP_INTERVAL * 3)  # past the waiter's deadline, with several looks of A's sweeper
+            assert line_of(plain.client, key) == [late.id], "A's sweeper took B's waiter out of the line"
+            worker = start_worker_process(redis_server, logdir, concurrency=1, env=env, extra=("-Q", queue_b),
+                                          name="b2")
+            worker.wait_ready(90)
+            with pytest.raises(LockWaitTimeout):
+                late.get(timeout=SWEEP_SLACK + 10)
+    finally:
+        worker.stop()
+        plain.close()

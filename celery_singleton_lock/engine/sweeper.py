@@ -10,6 +10,7 @@ import os
 import random
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
@@ -48,6 +49,10 @@ class Sweeper:
         self._parked: dict[tuple[LockServer, str, str], _Parked] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.sweepable: Callable[[str], bool] = _any_key
+        """Whether this process may sweep lock ``key``. A sweep that times a waiter out removes it and
+        leaves its "waited too long" copy to this process to send: a process that cannot send that
+        task (no app of it here) would drop it. The Celery side sets this (handoff.knows_key)."""
 
     def watch(self, server: LockServer, index: str) -> None:
         with self._cond:
@@ -112,6 +117,9 @@ class Sweeper:
             self._check_epoch(server, index, epoch)
             looks: list[tuple[str, int]] = []
             for key in keys:
+                if not self.sweepable(key):
+                    looks.append((key, 1))  # left to a process that can send its waiters: due again at once
+                    continue
                 try:
                     next_ms, handoffs = sweep(server, key)
                 except LockError as exc:
@@ -211,3 +219,8 @@ def _forget_parent_sweeper() -> None:
 
 os.register_at_fork(after_in_child=_forget_parent_sweeper)
 
+
+def _any_key(key: str) -> bool:
+    """The default: every key (a process with no Celery app sends nothing; its plain waiters are woken
+    by the scripts themselves)."""
+    return True
