@@ -338,3 +338,15 @@ def test_exit_statuses(worker_app):
     down = one_line_error(celery_cli("locks", "release", missing, "--yes",
                                      env={"CSL_LOCK_URL": f"redis://127.0.0.1:{port}/2"}))
     assert "cannot reach" in down
+
+
+def test_the_majority_verdict_counts_members_by_token():
+    """A pure function shared by the quorum's acquire and ``celery locks`` on a quorum."""
+    from celery_singleton_lock.ops.nodes import verdict
+    from celery_singleton_lock.topologies.quorum import most_held
+
+    assert most_held([None, RuntimeError("down")]) == (-1, 0)
+    assert most_held([b"a 1 {}", b"b 2 {}", b"a 1 {}", None]) == (0, 2)
+    seen = {"m1": b"b 2 {}", "m2": None, "m3": b"b 2 {}", "m4": RuntimeError("down"), "m5": b"a 1 {}"}
+    assert verdict(seen, 3) == (b"b 2 {}", 2)  # held on 2 of 5: a minority, not held
+    assert verdict({"m1": None, "m2": None}, 2) == (None, 0)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..engine.server import LockBackend
 from ..topologies.cluster import ClusterLockServer
-from ..topologies.quorum import QuorumLockServer
+from ..topologies.quorum import QuorumLockServer, most_held
 
 
 @dataclass(frozen=True)
@@ -56,14 +56,10 @@ def verdict(seen: dict[str, bytes | None | Exception], majority: int) -> tuple[b
     nothing, an exception for a member that did not answer): the value of the token most members
     hold, and on how many; (None, 0) when no member holds it. Held only when that count is at least
     ``majority``."""
-    votes: dict[str, list[bytes]] = {}
-    for value in seen.values():
-        if isinstance(value, bytes):
-            votes.setdefault(token_of(value) or "", []).append(value)
-    if not votes:
-        return None, 0
-    best = max(votes.values(), key=len)
-    return best[0], len(best)
+    values = list(seen.values())
+    i, count = most_held(values)
+    held = values[i] if count else None
+    return (held if isinstance(held, bytes) else None), count
 
 
 def member_states(seen: dict[str, bytes | None | Exception]) -> dict[str, str | None]:

@@ -54,10 +54,10 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ..engine import layout, scripts, wire
-from ..engine.addresses import redact_url
 from ..engine.lock import Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
 from ..engine.server import TOKEN_BYTES, HandoffSender, LockServer
 from ..exceptions import LockBackendUnavailable, LockError
+from . import quorum_scripts as qlua
 from .fanout import PENDING, SKIPPED, MemberPipe, NotSent, gather
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -201,7 +201,7 @@ class QuorumLockServer:
         sent = time.monotonic()
 
         keys = (key, layout.floor(key), layout.done(key), SINCE, layout.tomb(key, token))
-        replies = self._fan_out(scripts.Q_ACQUIRE, [(keys, args)], self._acquire_decided)
+        replies = self._fan_out(qlua.Q_ACQUIRE, [(keys, args)], self._acquire_decided)
         # where this acquire may have taken the key: granted, or sent and not answered (it may run later)
         self._reached[token] = [i for i, r in enumerate(replies)  # not sent at all: it cannot run later
                                 if r is not SKIPPED and not isinstance(r, NotSent)
@@ -226,7 +226,7 @@ class QuorumLockServer:
             if floored < self.majority:  # members that disagreed: write the fence back to the others
                 on = [i for i, f in granted if f < fence]
                 write_back = ((key, layout.floor(key)), (token + " ", fence, ms(FENCE_KEEP)))
-                acks = self._fan_out(scripts.Q_FENCE, [write_back],
+                acks = self._fan_out(qlua.Q_FENCE, [write_back],
                                      lambda rs: floored + sum(1 for r in rs if _ok(r) and int(r) == 1) >= self.majority,
                                      only=on)
                 floored += sum(1 for r in acks if _ok(r) and int(r) == 1)
@@ -252,21 +252,16 @@ class QuorumLockServer:
         of a finished holder still queued for a paused or slow member) beside members that are down
         or young makes the acquire fail as unavailable (tried again later), never "held by" a task
         that may have ended."""
-        votes: dict[bytes, list[Any]] = {}
-        for r in replies:
-            if _ok(r) and int(r[0]) == 0:
-                value = r[1] if isinstance(r[1], bytes) else str(r[1]).encode()
-                votes.setdefault(value.split(b" ", 1)[0], []).append(r)
-        if not votes:
-            return None, 0
-        best = max(votes.values(), key=len)
-        return best[0], len(best)
+        values = [(r[1] if isinstance(r[1], bytes) else str(r[1]).encode()) if _ok(r) and int(r[0]) == 0 else None
+                  for r in replies]
+        i, count = most_held(values)
+        return (replies[i] if count else None), count
 
     def _give_back_all(self, key: str, token: str) -> None:
         """Undo a failed or untrusted acquire on every member it may have reached (not waited for: a
         member that does not run it in time keeps a tombstone that makes the late acquire a no-op)."""
         reached = self._reached.pop(token, range(len(self.members)))
-        self._fan_out(scripts.Q_RELEASE, [self._releaser(key, token, ("", "0", "0"))], lambda r: True,
+        self._fan_out(qlua.Q_RELEASE, [self._releaser(key, token, ("", "0", "0"))], lambda r: True,
                       only=reached, force=reached)
 
     @staticmethod
@@ -290,7 +285,7 @@ class QuorumLockServer:
         # decided once a majority deleted it, or so many did not that no majority can: a member that
         # answers "gone" first (its acquire had found the key held, a late lock since deleted) does
         # not decide the status while the members that had it are still answering
-        replies = self._fan_out(scripts.Q_RELEASE, [self._releaser(lock.key, lock.token, rest)],
+        replies = self._fan_out(qlua.Q_RELEASE, [self._releaser(lock.key, lock.token, rest)],
                                 self._settled(lambda r: int(r) == 1), force=reached)
         statuses = [int(r) for r in replies if _ok(r)]
         if len(statuses) < self.majority:
@@ -370,26 +365,26 @@ class QuorumLockServer:
         raise LockBackendUnavailable(self.url, "no member answered")
 
 
+def most_held(values: Sequence[Any]) -> tuple[int, int]:
+    """Of the lock values the members hold (anything but bytes: nothing there), the index of one
+    held under the token most members share, and on how many: the majority's verdict once that
+    count reaches a majority (the acquire's refusal, and ``celery locks`` on a quorum)."""
+    groups: dict[bytes, list[int]] = {}
+    for i, value in enumerate(values):
+        if isinstance(value, bytes):
+            groups.setdefault(value.split(b" ", 1)[0], []).append(i)
+    best = max(groups.values(), key=len, default=[])
+    return (best[0] if best else -1), len(best)
+
+
 def _proposal() -> int:
     """The fence this client proposes: its clock, in microseconds since 1970 (see the module doc)."""
     return time.time_ns() // 1000
 
 
-_SCRIPTS = (scripts.Q_ACQUIRE, scripts.Q_FENCE, scripts.Q_RELEASE, scripts.RENEW_MANY, scripts.FORCE_RELEASE)
+_SCRIPTS = (qlua.Q_ACQUIRE, qlua.Q_FENCE, qlua.Q_RELEASE, scripts.RENEW_MANY, scripts.FORCE_RELEASE)
 """What a quorum sends its members (each member's connection loads them as it connects)."""
 
 
 def _ok(reply: Any) -> bool:
     return reply is not PENDING and not isinstance(reply, BaseException) and reply is not None
-
-
-def quorum_urls(url: str) -> list[str]:
-    """The members of a quorum URL (``;``-separated plain Redis URLs), each redacted in errors."""
-    urls = [u.strip() for u in url.split(";") if u.strip()]
-    if len(urls) < 3:
-        raise ValueError(
-            f"a quorum of independent Redis masters needs at least 3 URLs, got {len(urls)}: "
-            + ", ".join(redact_url(u) for u in urls)
-        )
-    return urls
-

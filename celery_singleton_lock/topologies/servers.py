@@ -41,7 +41,7 @@ from ..engine.plumbing import DEFAULT_REPLICA_TIMEOUT
 from ..engine.server import LockBackend, LockServer
 from .cluster import ClusterLockServer
 from .sentinel import SentinelLockServer
-from .urls import redis_url_for, topology
+from .urls import quorum_members, redis_url_for, topology
 
 __all__ = ["from_settings", "shared", "SentinelLockServer", "ClusterLockServer", "topology"]
 
@@ -76,9 +76,9 @@ def from_settings(
     elif kind == "cluster":
         server = ClusterLockServer.from_url(url, **options)
     elif kind == "quorum":
-        from .quorum import QuorumLockServer, quorum_urls
+        from .quorum import QuorumLockServer
 
-        server = QuorumLockServer.from_urls(quorum_urls(url), **options)
+        server = QuorumLockServer.from_urls(quorum_members(url) or [], **options)
     else:
         server = LockServer.from_url(url, **options)
     server.min_replicas = min_replicas

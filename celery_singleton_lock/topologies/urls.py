@@ -46,7 +46,7 @@ def lock_source(conf: Any) -> tuple[str, str]:
     spellings (``ssl_cert_reqs=CERT_REQUIRED``, ``redis+socket://``) reach redis-py right.
     """
     url = conf.get("singleton_lock_url")
-    members = _quorum_members(url)
+    members = quorum_members(url)
     if members:  # N independent masters: a Redlock quorum (quorum.py)
         return ";".join(_translated("singleton_lock_url", m) for m in members), "singleton_lock_url"
     if url:
@@ -101,7 +101,7 @@ def topology(url: str) -> str:
     return "redis"
 
 
-def _quorum_members(url: Any) -> list[str] | None:
+def quorum_members(url: Any) -> list[str] | None:
     """The members of ``singleton_lock_url`` when it names several plain Redis servers (a list, or
     ``;``-separated): a quorum of independent masters. None otherwise; a ValueError if it names
     fewer than 3, or anything but plain Redis."""
