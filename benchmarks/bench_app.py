@@ -73,6 +73,15 @@ def ours(i: int) -> int:
 
 VARIANTS["ours"] = ours
 
+
+@app.task(name="bench.ours_join", base=LockedTask, lock_publish="join")
+def ours_join(i: int) -> int:
+    """Ours with the check at publish (issue 20): one round trip per publish, beside the peers'."""
+    return i
+
+
+VARIANTS["ours-join"] = ours_join
+
 try:
     from celery_once import QueueOnce
 except ImportError:  # the smoke run installs no peers

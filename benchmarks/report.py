@@ -19,11 +19,12 @@ from typing import Any
 
 from harness import Spread
 
-ALL_VARIANTS = ["plain", "ours", "celery-once", "celery-singleton", "cookbook"]
+ALL_VARIANTS = ["plain", "ours", "ours-join", "celery-once", "celery-singleton", "cookbook"]
 PEERS = ["celery-once", "celery-singleton", "cookbook"]
 LABELS = {
     "plain": "plain (no lock)",
     "ours": "ours (LockedTask)",
+    "ours-join": 'ours, `lock_publish="join"` (checked at publish)',
     "celery-once": "celery-once (QueueOnce)",
     "celery-singleton": "celery-singleton (Singleton)",
     "cookbook": "cookbook (SET NX EX + token release)",

@@ -14,6 +14,7 @@ from . import workers as _workers  # noqa: F401 - starts and stops this process'
 from .engine.lock import Holder, Lock, Released
 from .engine.server import LockServer
 from .exceptions import (
+    AlreadyQueued,
     DuplicateTask,
     LockBackendRefused,
     LockBackendUnavailable,
@@ -26,7 +27,7 @@ from .exceptions import (
 )
 from .ops import control as _control  # noqa: F401  (registers the `celery inspect locks` command)
 from .policies import WAITING
-from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
+from .signals import duplicate_coalesced, duplicate_skipped, lock_acquired, lock_lost, lock_released, publish_joined
 from .task import LockedTask
 from .topologies.plain import held
 from .watchdog.process import get_watchdog
@@ -36,6 +37,7 @@ __all__ = [
     "LockedTask",
     "LockLost",
     "DuplicateTask",
+    "AlreadyQueued",
     "LockContended",
     "LockError",
     "LockKeyError",
@@ -54,6 +56,8 @@ __all__ = [
     "lock_acquired",
     "lock_released",
     "duplicate_skipped",
+    "duplicate_coalesced",
+    "publish_joined",
     "lock_lost",
 ]
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import line as queue
+from .engine import timing
 from .engine.lock import check_ttl
 from .engine.plumbing import DEFAULT_REPLICA_TIMEOUT
 from .engine.server import DEFAULT_TURN_TIMEOUT, LockBackend
@@ -28,7 +29,10 @@ from .topologies.urls import lock_url as lock_url  # re-exported: callers and te
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("skip", "retry", "raise", "backoff")
+POLICIES = ("skip", "retry", "raise", "backoff", "coalesce")
+PUBLISH_MODES = ("join", "raise")
+"""``lock_publish``: what a publish finds when a call of the same key is queued, waiting or running
+(see publishing.py); None (the default) checks nothing at publish."""
 
 # option on the task -> (app setting, default)
 OPTIONS: dict[str, tuple[str, Any]] = {
@@ -39,6 +43,10 @@ OPTIONS: dict[str, tuple[str, Any]] = {
     "lock_max_retries": ("singleton_lock_max_retries", 50),
     "lock_retry_backoff": ("singleton_lock_retry_backoff", 1.0),
     "lock_retry_backoff_max": ("singleton_lock_retry_backoff_max", 30.0),
+    "lock_cooldown": ("singleton_lock_cooldown", 0.0),
+    "lock_cooldown_on_failure": ("singleton_lock_cooldown_on_failure", False),
+    "lock_publish": ("singleton_lock_publish", None),
+    "lock_publish_ttl": ("singleton_lock_publish_ttl", 600.0),
 }
 DEFAULT_REDELIVERY_WINDOW = 3600.0
 """Seconds a success is remembered for acks_late tasks, when the broker has no visibility timeout."""
@@ -90,6 +98,14 @@ class LockSettings:
     """Seconds to wait for them."""
     turn_timeout: float = DEFAULT_TURN_TIMEOUT
     """Seconds the key stays reserved for a waiter whose turn was sent, until its copy arrives."""
+    cooldown: float = 0.0
+    """Seconds the key stays taken after a successful run (0: released at once)."""
+    cooldown_on_failure: bool = False
+    """Whether a failed run keeps the key for the cooldown too."""
+    publish: str | None = None
+    """``lock_publish``: "join", "raise", or None (no check at publish)."""
+    publish_ttl: float = 600.0
+    """Seconds a publish mark lives at most: how long a message lost in the broker blocks publishes."""
 
 
 def _check_option(where: str, option: str, value: Any) -> Any:
@@ -107,6 +123,25 @@ def _check_option(where: str, option: str, value: Any) -> Any:
         if not isinstance(value, str) or not value:
             raise ValueError(f"{where}: lock_prefix must be a non-empty str, got {value!r}")
         return value
+    if option == "lock_cooldown":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 86400 * 365:
+            raise ValueError(f"{where}: lock_cooldown must be a number of seconds >= 0, got {value!r}")
+        return float(value)
+    if option == "lock_cooldown_on_failure":
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: lock_cooldown_on_failure must be True or False, got {value!r}")
+        return value
+    if option == "lock_publish":
+        if value is False:  # a task turning off the app's setting
+            return None
+        if value is not None and value not in PUBLISH_MODES:
+            raise ValueError(f"{where}: lock_publish must be 'join', 'raise', or None/False (no check); got {value!r}")
+        return value
+    if option == "lock_publish_ttl":
+        try:
+            return check_ttl(value, option)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
     if option == "lock_max_retries":
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{where}: lock_max_retries must be an int >= 0, got {value!r}")
@@ -200,6 +235,10 @@ def resolve(task: Any) -> LockSettings:
         replica_timeout=replica_timeout,
         turn_timeout=check_ttl(_or(conf.get("singleton_lock_turn_timeout"), DEFAULT_TURN_TIMEOUT),
                                "setting singleton_lock_turn_timeout"),
+        cooldown=values["lock_cooldown"],
+        cooldown_on_failure=values["lock_cooldown_on_failure"],
+        publish=values["lock_publish"],
+        publish_ttl=values["lock_publish_ttl"],
     )
 
 
@@ -248,6 +287,18 @@ def redelivery_window(conf: Any) -> float:
     if isinstance(visibility, (int, float)) and not isinstance(visibility, bool) and visibility > 0:
         return float(visibility)
     return DEFAULT_REDELIVERY_WINDOW
+
+
+def warn_short_ttl(task_name: str, settings: LockSettings) -> None:
+    """Warn once, when a task's settings are read, about a TTL the watchdog cannot keep safely."""
+    shortest = timing.shortest_safe_ttl(**{
+        k: v for k, v in settings.watchdog_options.items() if k in ("tick", "socket_timeout")
+    })
+    if settings.ttl < shortest:
+        logging.getLogger("celery_singleton_lock").warning(  # the package's logger, as the task's other warnings
+            "task %s: lock_ttl %gs is shorter than the watchdog can keep safely (%.1fs with its tick and "
+            "socket timeout): a lock may be declared lost after one slow renewal", task_name, settings.ttl, shortest,
+        )
 
 
 def server_for(settings: LockSettings) -> LockBackend:

@@ -37,9 +37,13 @@ held by another / line        policy "raise"                                 RAI
 held by another / line        policy "retry", in a worker                    PARK (WAITING), handed the
                                                                              key in turn
 held by another / line        policy "retry", eager                          WAIT_HERE (blocks in line)
+held by another / line        policy "coalesce", in a worker                 COALESCE: merged into the
+                                                                             task last in line, else
+                                                                             PARK (one follow-up run)
+held by another / line        policy "coalesce", eager                       WAIT_HERE (blocks in line)
 held by another / line        policy "backoff"                               BACKOFF (re-sent later)
 any of the above              on a quorum (no line), where the row says      BACKOFF (a quorum of masters
-                              PARK_* or WAIT_HERE                            cannot order a line); the
+                              PARK_*, COALESCE or WAIT_HERE                  cannot order a line); the
                                                                              re-send of a redelivery
                                                                              stays one (dropped once the
                                                                              holder succeeded)
@@ -73,6 +77,7 @@ class Action(Enum):
     PARK_SAME = "park first in line, dropped if the holder succeeds"
     PARK_FIRST = "park first in line"
     PARK = "park at the end of the line"
+    COALESCE = "merge into the task last in line, or park at the end of the line"
     DEADLOCK = "fail: it would wait for its own caller"
     SKIP = "skip"
     RAISE = "raise"
@@ -103,7 +108,7 @@ class Delivery:
     """The lock server keeps waiting lines (False for a quorum of independent masters)."""
 
 
-_LINE_ACTIONS = (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.WAIT_HERE)
+_LINE_ACTIONS = (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.WAIT_HERE, Action.COALESCE)
 
 
 def decide(found: Found, who: Delivery) -> Action:
@@ -143,4 +148,6 @@ def _by_table(found: Found, who: Delivery) -> Action:
         return Action.RAISE
     if who.policy == "backoff":
         return Action.BACKOFF
-    return Action.WAIT_HERE if who.eager else Action.PARK
+    if who.eager:
+        return Action.WAIT_HERE
+    return Action.COALESCE if who.policy == "coalesce" else Action.PARK

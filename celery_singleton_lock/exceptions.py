@@ -121,3 +121,17 @@ class SelfDeadlock(LockError):
             f"lock {self.key!r} is held by task {self.holder_task_id}, which is up this call stack: waiting "
             "for it would deadlock (an eager call of the same key from inside the locked task)"
         )
+
+
+class AlreadyQueued(LockError):
+    """Raised at publish (``lock_publish="raise"``) when a call of the same key is queued, waiting or
+    running: ``task_id`` names it, ``state`` says which. Nothing was published."""
+
+    def __init__(self, key: str, task_id: str, state: str = "queued") -> None:
+        super().__init__(key, task_id, state)
+        self.key = key
+        self.task_id = task_id
+        self.state = state
+
+    def __str__(self) -> str:
+        return f"a call of lock {self.key!r} is already {self.state}: task {self.task_id} (nothing was published)"

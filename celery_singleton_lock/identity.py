@@ -46,7 +46,7 @@ def found(task: Any, request: Any, outcome: Lock | Holder | Verdict | Done, reco
         return Found.ENTRY_RAN if recovered and ran_since_park(task, request) else Found.ENTRY_GONE
     if outcome.queued:
         return Found.QUEUED
-    if outcome.owner_id == request.id and not outcome.reserved:
+    if outcome.owner_id == request.id and not outcome.reserved and not outcome.cooldown:
         return Found.HELD_BY_SELF
     return Found.HELD
 

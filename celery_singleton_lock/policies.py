@@ -29,8 +29,8 @@ from .exceptions import (
     LockWaitTimeout,
     SelfDeadlock,
 )
-from .headers import BACKOFF, ENTRY, REDELIVERED, TOKEN, UNREACHABLE
-from .signals import duplicate_skipped
+from .headers import BACKOFF, ENTRY, MARKED, REDELIVERED, TOKEN, UNREACHABLE
+from .signals import duplicate_coalesced, duplicate_skipped
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -39,15 +39,12 @@ WAITING = "WAITING"
 end state once its turn came and it ran)."""
 
 
-
-
-
 def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settings: config.LockSettings,
          server: LockServer, key: str, outcome: Any, entry: str | None) -> None:
     """Park this delivery in the key's line and end it (raises Ignore); returns only if the key was
     freed meanwhile, for the caller to try again."""
     same = action is Action.PARK_SAME
-    first = action is not Action.PARK
+    first = action not in (Action.PARK, Action.COALESCE)
     holder_id = outcome.owner_id if isinstance(outcome, Holder) else request.id
     wait = settings.max_wait
     parked_at = handoff.first_parked_at(request)
@@ -63,10 +60,12 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
         owner_id=request.id, message=message, first=first,
         again=(request.headers or {}).get(ENTRY) == entry,
-        redelivered=bool((request.delivery_info or {}).get("redelivered")),
+        redelivered=bool((request.delivery_info or {}).get("redelivered")), merge=action is Action.COALESCE,
     )
     if not place:
         return
+    if isinstance(place, queue.Merged):
+        merged(task, request, key, place)
     if place == queue.TOOK_ITS_TURN:  # a redelivery of a parked message whose turn already came
         refuse(task, Action.DROP, request, settings, key, Verdict.ENTRY_GONE)
     already = isinstance(place, queue.AlreadyParked)  # a redelivery of a parked message whose ack was lost
@@ -93,6 +92,18 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         policy="redelivery" if own else "retry",
     )
     raise Ignore(f"waiting in line for lock {key}")
+
+
+def merged(task: Any, request: Any, key: str, into: queue.Merged) -> NoReturn:
+    """End a delivery merged into the waiter last in line (coalesce): that waiter's run covers it."""
+    if not get_actual_ignore_result(task, request):
+        task.backend.store_result(request.id, {"key": key, "merged_into": into.owner_id}, WAITING, request=request)
+    logger.info("task %s[%s] merged into waiting task %s (lock %s): its run covers this call",
+                task.name, request.id, into.owner_id, key)
+    duplicate_skipped.send(sender=task, key=key, task_id=request.id, holder_task_id=into.owner_id, policy="coalesce")
+    duplicate_coalesced.send(sender=task, key=key, task_id=request.id, into_task_id=into.owner_id)
+    raise Ignore(f"merged into waiting task {into.owner_id} (lock {key})")
+
 
 def refuse(task: Any, action: Action, request: Any, settings: config.LockSettings, key: str, outcome: Any) -> NoReturn:
     """End a delivery that will not run: drop, skip, raise, or fail on a would-be deadlock."""
@@ -122,6 +133,7 @@ def refuse(task: Any, action: Action, request: Any, settings: config.LockSetting
         task.backend.mark_as_revoked(request.id, reason, request=request)
     raise Ignore(reason)
 
+
 def backoff(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, outcome: Any,
             redelivered: bool = False) -> None:
     """The "backoff" policy: send this call again later; returns only to try again (eager).
@@ -137,6 +149,7 @@ def backoff(task: Any, request: Any, args: Any, kwargs: Any, settings: config.Lo
     _send_again(task, request, args, kwargs, settings, BACKOFF, attempt, reason, DuplicateTask(key, holder_id),
                 redelivered=redelivered)
 
+
 def unreachable(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, token: str,
                 exc: LockBackendUnavailable) -> None:
     """Redis unreachable: send this call again later, carrying the attempt's token; returns
@@ -148,6 +161,7 @@ def unreachable(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
     logger.warning("task %s[%s]: %s", task.name, request.id, reason)
     _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, reason, exc, token)
 
+
 def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, counter: str,
                 attempt: int, reason: str, exc: Exception, token: str | None = None,
                 redelivered: bool = False) -> None:
@@ -156,7 +170,8 @@ def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
         setattr(request, counter, attempt + 1)
         time.sleep(delay)
         return
-    headers = {k: v for k, v in (request.headers or {}).items() if k in (UNREACHABLE, BACKOFF, TOKEN, REDELIVERED)}
+    kept = (UNREACHABLE, BACKOFF, TOKEN, REDELIVERED, MARKED)
+    headers = {k: v for k, v in (request.headers or {}).items() if k in kept}
     headers[counter] = attempt + 1
     if redelivered:
         headers[REDELIVERED] = "1"
@@ -180,5 +195,3 @@ def _delay(settings: config.LockSettings, attempt: int) -> float:
     """Exponential back-off with jitter (50-100% of the step), capped."""
     step = min(settings.retry_backoff_max, settings.retry_backoff * (2.0 ** min(attempt, 30)))
     return step * random.uniform(0.5, 1.0)
-
-

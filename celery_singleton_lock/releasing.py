@@ -11,18 +11,23 @@ import logging
 from typing import Any
 
 from celery import Task
+from celery.app.task import get_actual_ignore_result
+from celery.states import FAILURE, SUCCESS
 from kombu.serialization import dumps, loads
 
 from . import config
 from .engine import layout
+from .engine import line as queue
 from .engine.lock import Lock
+from .engine.server import LockServer
 from .exceptions import LockBackendRefused, LockBackendUnavailable, LockError
+from .signals import lock_released
 
 logger = logging.getLogger("celery_singleton_lock")
 
 
 def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remember: float,
-            value: bytes = b"", retries: int = 0) -> int | None:
+            value: bytes = b"", retries: int = 0, cooldown: float = 0.0) -> int | None:
     """Release with a short timeout, twice at most; the status (1 deleted, 0 gone, -1 another's, -3 refused), None if
     Redis never answered. A retry after a timed-out try that did execute finds the key gone, or handed by
     that try to the next waiter (RELEASE knows its own hand-off): both count as deleted, and a waiter
@@ -31,7 +36,7 @@ def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remem
     for attempt in (1, 2):
         try:
             status = server.release(lock, succeeded=succeeded, remember=remember, value=value,
-                                    again=attempt == 2, retries=retries).status
+                                    again=attempt == 2, retries=retries, cooldown=cooldown).status
             return 1 if status == 0 and attempt == 2 else status
         except LockBackendUnavailable as exc:
             logger.warning("releasing lock %s failed (try %d of 2): %s", lock.key, attempt, exc)
@@ -44,6 +49,42 @@ def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remem
     logger.error("lock %s could not be released; it expires within %gs", lock.key, lock.ttl)
     return None
 
+
+
+def at_end(task: Any, request: Any, lock: Lock, state: str | None, value: Any) -> None:
+    """The execution of ``request`` ended in ``state``: release its lock (with the done record an
+    acks_late success needs, and the task's cooldown), and report what Redis found."""
+    settings = task.lock_settings()
+    redeliverable = state == SUCCESS and may_be_redelivered(task, request)
+    remember = settings.redelivery_window if redeliverable else 0.0
+    packed = pack_value(task, value) if remember and not get_actual_ignore_result(task, request) else b""
+    cooldown = settings.cooldown if state == SUCCESS or (state == FAILURE and settings.cooldown_on_failure) else 0.0
+    status = release(lock, settings, succeeded=state == SUCCESS, remember=remember, value=packed,
+                     retries=request.retries or 0, cooldown=cooldown)
+    if cooldown and status == 1:
+        after_cooldown(lock, settings)
+    ended = f"task {request.id} ended {state}"
+    if status == -1 and not lock.lost:
+        lock.mark_lost(f"found at release: another holder has the key ({ended})")
+    elif status == 0 and not lock.lost:
+        lock.mark_lost(f"found at release: the key had expired ({ended})")
+    elif status == -3 and not lock.lost:  # e.g. WRONGTYPE: the key holds something that is not our lock
+        lock.mark_lost(f"found at release: Redis refused the release ({ended})")
+    if status in (0, -1):
+        logger.warning("lock %s was no longer held by task %s at release", lock.key, request.id)
+    lock_released.send(sender=task, key=lock.key, task_id=request.id, state=state, deleted=status == 1)
+
+
+def after_cooldown(lock: Lock, settings: config.LockSettings) -> None:
+    """The key was kept for a cooldown: have the sweepers look at it, so whoever waits in its line is
+    handed the key when the cooldown runs out (the release could not hand it on)."""
+    server = lock.server
+    if not isinstance(server, LockServer):
+        return  # a quorum keeps no line
+    try:
+        queue.announce(server, settings.index, lock.key)
+    except LockError as exc:
+        logger.warning("lock %s: could not tell the sweepers about its cooldown: %s", lock.key, exc)
 
 
 def may_be_redelivered(task: Task, request: Any) -> bool:

@@ -9,7 +9,8 @@ at start, from the ``worker_init`` signal, through ``app.steps["consumer"]``:
 no patching of Celery) that looks at that set once a second in the worker's
 own event loop; for each newly revoked id it takes the task out of every
 line of the app's lock servers (:func:`line_ops.remove_everywhere`: the key
-passes on at once if it was reserved for it) and stores REVOKED for it.
+passes on at once if it was reserved for it) and stores REVOKED for it. The calls
+merged into it (``on_duplicate="coalesce"``) are sent again, as they were.
 
 Every worker does it (the first one finds the task; the others find
 nothing), so it works while any worker that received the broadcast runs.
@@ -26,6 +27,8 @@ from celery import bootsteps
 from celery.signals import worker_init
 from celery.worker import state
 
+from . import coalescing
+from .engine import line as queue
 from .engine import line_ops
 from .exceptions import LockError
 
@@ -71,7 +74,10 @@ def take_out(app: Any, task_id: str) -> list[str]:
     left: list[str] = []
     try:
         for server, index in _lines_of(app):
-            left += line_ops.remove_everywhere(server, index, task_id)
+            keys = line_ops.remove_everywhere(server, index, task_id)
+            for key in keys:  # a coalescing waiter's merged calls did not run: they go again
+                coalescing.send_again(app, server, key, queue.entry_for(task_id))
+            left += keys
     except LockError as exc:
         logger.warning("revoke of task %s: could not look for it in the waiting lines: %s", task_id, exc)
     except Exception:

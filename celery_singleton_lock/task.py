@@ -30,21 +30,20 @@ from functools import partial
 from typing import Any, ClassVar
 
 from celery import Task
-from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import task_postrun
 from celery.states import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS
 
-from . import config, handoff, identity, keys, options, policies, releasing
+from . import coalescing, config, handoff, identity, keys, options, policies, publishing, releasing
 from .decide import Action, Delivery, decide
 from .engine import line as queue
-from .engine import reentry, timing
+from .engine import reentry
 from .engine.lock import Done, Holder, Lock
 from .engine.server import LockBackend, LockServer
 from .exceptions import LockBackendUnavailable, LockError, LockWaitTimeout
-from .headers import ENTRY, EXPIRED, RECOVERED, REDELIVERED, TOKEN
+from .headers import ENTRY, EXPIRED, MARKED, RECOVERED, REDELIVERED, TOKEN
 from .headers import PREFIX as HEADER_PREFIX
-from .signals import lock_acquired, lock_lost, lock_released
+from .signals import lock_acquired, lock_lost
 from .watchdog.process import get_watchdog
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -79,6 +78,13 @@ class LockedTask(Task):
         unreachable Redis, apart from the task's own ``max_retries`` (50, 1 s, 30 s).
     ``lock_prefix``
         the first part of every key (``singleton_lock_prefix``, "singleton_lock").
+    ``lock_cooldown``, ``lock_cooldown_on_failure``
+        seconds the key stays taken after a successful run (0), and whether a failed
+        run keeps it too (False): at most one run per key per cooldown.
+    ``lock_publish``, ``lock_publish_ttl``
+        "join" or "raise": ``delay``/``apply_async`` of a call whose key has a call queued,
+        waiting or running returns that call's AsyncResult, or raises AlreadyQueued
+        (None: no check at publish); how long a publish mark lives at most (600 s).
 
     Options are checked when the task class is made (app finalize, or first use of
     the task), so a bad one fails there, naming the task and the option.
@@ -97,6 +103,10 @@ class LockedTask(Task):
     lock_max_retries: ClassVar[int | None] = None
     lock_retry_backoff: ClassVar[float | None] = None
     lock_retry_backoff_max: ClassVar[float | None] = None
+    lock_cooldown: ClassVar[float | None] = None
+    lock_cooldown_on_failure: ClassVar[bool | None] = None
+    lock_publish: ClassVar[str | None] = None
+    lock_publish_ttl: ClassVar[float | None] = None
 
     lock_track_started: ClassVar[bool] = False
     """The task's ``track_started`` (option or ``task_track_started``): LockedTask stores
@@ -152,15 +162,7 @@ class LockedTask(Task):
             # the options may have been changed on the class since it was made
             config.check_task_options(self.name, type(self), self._lock_signature)
             settings = config.resolve(self)
-            shortest = timing.shortest_safe_ttl(**{
-                k: v for k, v in settings.watchdog_options.items() if k in ("tick", "socket_timeout")
-            })
-            if settings.ttl < shortest:
-                logger.warning(
-                    "task %s: lock_ttl %gs is shorter than the watchdog can keep safely (%.1fs with its tick and "
-                    "socket timeout): a lock may be declared lost after one slow renewal", self.name, settings.ttl,
-                    shortest,
-                )
+            config.warn_short_ttl(self.name, settings)
             self.__dict__["_singleton_lock_settings"] = settings
         return settings
 
@@ -198,9 +200,12 @@ class LockedTask(Task):
         request = self.request
         headers = request.headers or {}
         key = keys.derive(settings.prefix, self.name, self._lock_signature, args, kwargs, self.lock_key)
-        if headers.get(EXPIRED):
-            raise LockWaitTimeout(key, settings.max_wait)
         server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
+        if headers.get(EXPIRED):
+            expired = LockWaitTimeout(key, settings.max_wait)
+            if settings.on_duplicate == "coalesce":
+                coalescing.fail_all(self, server, key, queue.entry_for(task_id, request.retries), expired)
+            raise expired
         resent = bool(headers.get(REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
         redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
         entry = headers.get(ENTRY) or None
@@ -217,6 +222,9 @@ class LockedTask(Task):
                 policies.unreachable(self, request, args, kwargs, settings, token, exc)
                 retake, token = token, secrets.token_hex(16)  # eager: take back what the lost attempt took
                 continue
+            if MARKED in headers:  # published under lock_publish: the lock or the line shows it from now on
+                publishing.started(self, request, key, server)
+                headers = {k: v for k, v in headers.items() if k != MARKED}
             if type(outcome) is Lock:  # the common case, first: no table to consult
                 return self._run_with(outcome, request, settings)
             if who is None:
@@ -246,7 +254,7 @@ class LockedTask(Task):
                 policies.backoff(self, request, args, kwargs, settings, outcome,
                                  redelivered=who.redelivered and not who.never_ran)
                 continue
-            if action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME):
+            if action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.COALESCE):
                 assert isinstance(server, LockServer)  # decide() parks only where there is a line
                 policies.park(self, action, request, args, kwargs, settings, server, key, outcome, entry)
                 entry = None  # park() ends the delivery once parked; back here, the key was freed: try again
@@ -287,8 +295,11 @@ class LockedTask(Task):
         reentry.register(lock)  # held(..., owner_id=<task id>) in the body re-enters it
         get_watchdog(**settings.watchdog_options).track(lock, partial(_announce_lost, self, request.id))
         lock_acquired.send(sender=self, key=lock.key, task_id=request.id, lock=lock)
-        if self.lock_track_started or ENTRY in (request.headers or ()):
+        entry = (request.headers or {}).get(ENTRY)
+        if self.lock_track_started or entry:
             identity.mark_started(self, request, self.lock_track_started)
+        if entry and settings.on_duplicate == "coalesce":  # the calls merged into this waiter: it covers them
+            coalescing.take(lock.server, request, lock.key, entry)
 
     def _on_my_stack(self, owner_id: str | None) -> bool:
         """Is the execution holding the key up this thread's call stack (eager nesting)?"""
@@ -324,7 +335,10 @@ class LockedTask(Task):
                 return request.__dict__.pop(_REPLAY)  # its recorded value, the body not run again
             return super().__call__(*args, **kwargs)
         request.__dict__[_BODY_STARTED] = True
-        state = FAILURE
+        state, error = FAILURE, None
+        latest = coalescing.latest_arguments(request)
+        if latest is not None:  # coalesce: "latest wins"
+            args, kwargs = latest
         try:
             result = self.run(*args, **kwargs)
             state = SUCCESS
@@ -338,10 +352,20 @@ class LockedTask(Task):
         except Reject:
             state = REJECTED
             raise
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            self.release_lock(state, result if state == SUCCESS else None)
+            self.release_lock(state, result if state == SUCCESS else None, error)
 
-    def release_lock(self, state: str | None = None, value: Any = None) -> None:
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any) -> Any:
+        """Celery's, checked at publish if the task asks (``lock_publish``, publishing.py): one round trip."""
+        settings = self.__dict__.get("_singleton_lock_settings") or self.lock_settings()
+        if settings.publish is None or not publishing.checked(self, task_id, options):
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        return publishing.publish(self, args, kwargs, options, super().apply_async)
+
+    def release_lock(self, state: str | None = None, value: Any = None, error: BaseException | None = None) -> None:
         """Let the running execution's lock go, once: when the body ends, else from ``task_postrun``.
 
         Never fails the task: whatever Redis answers, the task keeps its own
@@ -362,22 +386,8 @@ class LockedTask(Task):
         reentry.unregister(lock)
         get_watchdog().forget(lock)  # first: no renewal may follow the release, even if we are interrupted
         request.__dict__.pop(HANDLE, None)
-        settings = self.lock_settings()
-        redeliverable = state == SUCCESS and releasing.may_be_redelivered(self, request)
-        remember = settings.redelivery_window if redeliverable else 0.0
-        packed = releasing.pack_value(self, value) if remember and not get_actual_ignore_result(self, request) else b""
-        status = releasing.release(lock, settings, succeeded=state == SUCCESS, remember=remember, value=packed,
-                                   retries=request.retries or 0)
-        deleted = status == 1
-        if status == -1 and not lock.lost:
-            lock.mark_lost(f"found at release: another holder has the key (task {request.id} ended {state})")
-        elif status == 0 and not lock.lost:
-            lock.mark_lost(f"found at release: the key had expired (task {request.id} ended {state})")
-        elif status == -3 and not lock.lost:  # e.g. WRONGTYPE: the key holds something that is not our lock
-            lock.mark_lost(f"found at release: Redis refused the release (task {request.id} ended {state})")
-        if status in (0, -1):
-            logger.warning("lock %s was no longer held by task %s at release", lock.key, request.id)
-        lock_released.send(sender=self, key=lock.key, task_id=request.id, state=state, deleted=deleted)
+        releasing.at_end(self, request, lock, state, value)
+        coalescing.settle(self, request, state, value, error)
 
 
 def _announce_lost(task: LockedTask, task_id: str, lock: Lock, reason: str) -> None:

@@ -45,6 +45,10 @@ ROWS = [
     *[(f, Delivery("retry"), Action.PARK) for f in HELD],
     *[(f, Delivery("retry", eager=True), Action.WAIT_HERE) for f in HELD],
     *[(f, Delivery("backoff"), Action.BACKOFF) for f in HELD],
+    *[(f, Delivery("coalesce"), Action.COALESCE) for f in HELD],
+    *[(f, Delivery("coalesce", eager=True), Action.WAIT_HERE) for f in HELD],
+    *[(f, Delivery("coalesce", redelivered=True), Action.PARK) for f in HELD],  # a redelivery is no duplicate
+    *[(f, Delivery("coalesce", retry=True), Action.PARK) for f in HELD],
 ]
 
 
@@ -60,7 +64,7 @@ def test_without_a_line_every_line_action_backs_off_and_nothing_else_changes(
     """A quorum of independent masters cannot order a waiting line: whatever would park or wait in
     line backs off instead; every other action (run, drop, skip, raise, reenter...) is unchanged."""
     no_line = Delivery(**{**who.__dict__, "line": False})
-    in_line = action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.WAIT_HERE)
+    in_line = action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.WAIT_HERE, Action.COALESCE)
     assert decide(found, no_line) is (Action.BACKOFF if in_line else action)
 
 

@@ -44,6 +44,13 @@ BAD_OPTIONS = [
     ({"lock_max_retries": -1}, "lock_max_retries"),
     ({"lock_retry_backoff": 0}, "lock_retry_backoff"),
     ({"lock_prefix": ""}, "lock_prefix"),
+    ({"on_duplicate": "merge"}, "on_duplicate"),
+    ({"lock_cooldown": -1}, "lock_cooldown"),
+    ({"lock_cooldown": "5"}, "lock_cooldown"),
+    ({"lock_cooldown_on_failure": "yes"}, "lock_cooldown_on_failure"),
+    ({"lock_publish": "always"}, "lock_publish"),
+    ({"lock_publish": True}, "lock_publish"),
+    ({"lock_publish_ttl": 0}, "lock_publish_ttl"),
 ]
 
 
@@ -176,6 +183,9 @@ def test_watchdog_settings_reach_the_watchdog_options():
     ("singleton_lock_ttl", "30"),
     ("singleton_lock_max_retries", 1.5),
     ("singleton_lock_url", "amqp://guest@localhost//"),
+    ("singleton_lock_cooldown", -2),
+    ("singleton_lock_publish", "yes"),
+    ("singleton_lock_publish_ttl", -1),
 ])
 def test_bad_setting_names_the_setting(setting, value):
     app = bare_app(**{setting: value})

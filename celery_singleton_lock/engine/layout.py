@@ -36,6 +36,18 @@ Every key expires on its own: nothing is left behind once a lock is released
 and its line is empty. Times in the line are the server's clock (ms), so every
 client agrees on them.
 
+``K:p``
+    the publish mark (``lock_publish``): the id of the call published for ``K`` and not
+    yet started, with a PX expiry (``lock_publish_ttl``): a message lost in the broker
+    blocks publishes no longer than that.
+``K:m:<entry>``
+    the calls merged into waiter ``entry`` (``on_duplicate="coalesce"``): a LIST of their
+    parked messages, oldest first; the waiter's run settles them, then deletes it.
+
+A cooldown (``lock_cooldown``) keeps ``K`` as ``"= <fence> <json: owner, cooldown>"``
+with a PX expiry: ``=`` is no token, so nobody holds it, and the line waits for the
+sweeper to hand the key on once it expires.
+
 Outside the slot, for the sweeper (see sweeper.py): ``<prefix>:{waiting}``, a
 ZSET of lock keys that have waiters, scored by when to look at them next, and
 ``<prefix>:{waiting}:epoch``, which changes when the lock Redis lost its data.
@@ -78,6 +90,16 @@ def gone(key: str) -> str:
 def wake(key: str, entry: str) -> str:
     """``K:wake:<entry>``: where a plain waiter blocks until it is handed the key."""
     return f"{key}:wake:{entry}"
+
+
+def publish_mark(key: str) -> str:
+    """``K:p``: the id of the call published for ``K`` and not yet started (``lock_publish``)."""
+    return key + ":p"
+
+
+def merged(key: str, entry: str) -> str:
+    """``K:m:<entry>``: the calls merged into waiter ``entry`` (``on_duplicate="coalesce"``), oldest first."""
+    return f"{key}:m:{entry}"
 
 
 def floor(key: str) -> str:

@@ -71,6 +71,22 @@ TOOK_ITS_TURN = -1
 """What :func:`park` returns for a broker redelivery whose entry left the line for good already."""
 
 
+class Merged(int):
+    """What :func:`park` with ``merge`` returns when the call joined a waiter's merged calls (no place
+    of its own): ``entry`` and ``owner_id`` name the waiter whose run covers it."""
+
+    entry: str
+    owner_id: str
+
+    def __new__(cls, entry: str, owner_id: str) -> Merged:
+        merged = super().__new__(cls, 0)
+        merged.entry, merged.owner_id = entry, owner_id
+        return merged
+
+    def __bool__(self) -> bool:
+        return True
+
+
 class AlreadyParked(int):
     """What :func:`park` returns when the entry is parked already: its place (0 out of line)."""
 
@@ -102,6 +118,7 @@ def park(
     first: bool = False,
     again: bool = False,
     redelivered: bool = False,
+    merge: bool = False,
 ) -> int:
     """Put a waiter in ``name``'s line: its place (1 = next), 0 if the key is free and nobody
     waits (then take it instead), or its place if ``entry`` is parked already and
@@ -113,6 +130,8 @@ def park(
     a redelivered copy of the running task (dropped if the holder succeeds),
     "p" plain code. ``first`` goes ahead of everyone (a copy of the running task
     is its continuation). ``wait`` is how long it may wait before it is timed out.
+    ``merge`` (``on_duplicate="coalesce"``): if the last in line is a parked task, the
+    message joins its merged calls instead (:class:`Merged`; see :mod:`.dedupe`).
     """
     if "\n" in owner_id:
         raise ValueError(f"an owner id cannot contain a newline: {owner_id!r}")
@@ -120,9 +139,11 @@ def park(
     reply = server.run(
         scripts.PARK, server.keys_for(key),
         (entry, kind, ms(wait), ms(ttl), owner_id, message, "1" if first else "0", "1" if again else "0",
-         "1" if redelivered else "0"),
+         "1" if redelivered else "0", "1" if merge else "0"),
     )
     status = int(reply[0])
+    if status == 4:
+        return Merged(_text(reply[1]), _text(reply[2]))
     if status == 2:
         return AlreadyParked(int(reply[1]))
     if status == 3:
@@ -226,3 +247,7 @@ def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None
 
 
 __all__: Sequence[str] = ["park", "leave", "sweep", "line", "index_key", "announce", "wait_turn"]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -79,6 +79,8 @@ class Holder:
     reserved: bool = False
     """The key is being handed to the waiter ``owner_id``."""
     queued: bool = False
+    cooldown: bool = False
+    """Nobody holds it: the run of ``owner_id`` ended, and the key stays taken until its cooldown runs out."""
 
     @classmethod
     def parse(cls, key: str, value: str | bytes, ttl_ms: int) -> Holder:
@@ -97,6 +99,7 @@ class Holder:
             key, meta.get("owner"), meta.get("host"), meta.get("pid"), int(ttl_ms), text,
             fencing_token=int(fence) if fence.isdigit() and fence != "0" else None,
             reserved=token.startswith("~"),
+            cooldown=token == "=" and bool(meta.get("cooldown")),
         )
 
 
@@ -112,7 +115,7 @@ class Backend(Protocol):
     url: str
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
-                again: bool = False, retries: int = 0) -> Released: ...
+                again: bool = False, retries: int = 0, cooldown: float = 0.0) -> Released: ...
 
     def renew(self, lock: Lock) -> bool: ...
 

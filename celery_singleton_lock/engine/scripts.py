@@ -136,9 +136,11 @@ RELEASE = _HAND_OFF + """
 -- ARGV[4] ms to remember that success ('0': not needed), ARGV[5] what the body
 -- returned, serialised ('' none), ARGV[6] '1' when this is a retry of a release
 -- whose first try may have run (its reply was lost), ARGV[7] the holder's retry
--- count (its redelivered copy, if parked, is entry 't' .. sha1 of owner, newline, retries).
+-- count (its redelivered copy, if parked, is entry 't' .. sha1 of owner, newline, retries),
+-- ARGV[8] ms of cooldown ('0' none): the key stays taken that long, by nobody.
 -- Returns {deleted, hand-offs...}: deleted 1 it was ours, 0 it was gone
--- already, -1 another holds it. The key passes to the next waiter here.
+-- already, -1 another holds it. The key passes to the next waiter here, or,
+-- after a cooldown, through the sweeper once the cooldown has run out.
 handed_by = string.sub(ARGV[1], 1, -2)
 local held = redis.call('GET', LOCK)
 local deleted = 0
@@ -152,10 +154,19 @@ if held then
       if rec and string.sub(rec, 2, 2) == 'h' then return {1, {'run', e, rec}} end
       return {1}
     end
+    local cool = string.match(held, '^= %d+ (.*)$')
+    if ARGV[6] == '1' and cool and cjson.decode(cool).owner == ARGV[2] then return {1} end  -- our first try's cooldown
     return {-1}
   end
-  redis.call('DEL', LOCK)
   deleted = 1
+  if (ARGV[8] or '0') ~= '0' then
+    -- a cooldown: the key stays taken by nobody ('=' is no token), its fence kept, until it expires
+    local fence = string.match(held, '^%S+ (%d+)') or '0'
+    local cool = cjson.encode({owner = ARGV[2], cooldown = true})
+    redis.call('SET', LOCK, '= ' .. fence .. ' ' .. cool, 'PX', ARGV[8])
+  else
+    redis.call('DEL', LOCK)
+  end
 end
 local now = 0
 if ARGV[3] == '1' and ARGV[4] ~= '0' then
@@ -178,6 +189,7 @@ if ARGV[3] == '1' then
     gone(mine)
   end
 end
+if redis.call('EXISTS', LOCK) == 1 then return {deleted} end  -- a cooldown: the sweeper hands it on after
 return hand_off(now, drop, {deleted})
 """
 
@@ -205,6 +217,8 @@ PARK = _KEYS + """
 -- ARGV[8] '1' when the caller is the copy of this entry (it may park it again),
 -- ARGV[9] '1' for a broker redelivery: if the entry left for good (a tombstone),
 -- its turn was taken already and {3} is returned (nothing parked).
+-- ARGV[10] '1' to merge instead (on_duplicate="coalesce"): if the last in line is a parked task,
+-- the message joins that waiter's merged calls (LOCK:m:<its entry>) and {4, entry, owner} is returned.
 -- Returns {0} when the key is free and nobody waits (take it instead),
 -- {2, place (0: out of line, its copy on its way)} when the entry is parked
 -- already (a task's entry id comes from its task id: a redelivery of a parked
@@ -215,6 +229,19 @@ if ARGV[8] ~= '1' and redis.call('HEXISTS', WAITERS, ARGV[1]) == 1 then
 end
 if redis.call('EXISTS', LOCK) == 0 and redis.call('EXISTS', LINE) == 0 then return {0} end
 local now = clock()
+if ARGV[10] == '1' then
+  local last = redis.call('LINDEX', LINE, -1)
+  local rec = last and redis.call('HGET', WAITERS, last)
+  if rec then
+    local kind, state, deadline, _, owner = parse(rec)
+    if kind == 't' and state == 'p' and owner ~= ARGV[5] then  -- parked, its turn not come: merge into it
+      local into = LOCK .. ':m:' .. last
+      redis.call('RPUSH', into, ARGV[6])
+      redis.call('PEXPIRE', into, math.max(deadline - now, 0) + 60000)  -- as its line: a minute past it
+      return {4, last, owner}
+    end
+  end
+end
 local wait = tonumber(ARGV[3])
 local rec = ARGV[2] .. 'p\\n' .. string.format('%.0f', now + wait) .. '\\n'
   .. ARGV[4] .. '\\n' .. ARGV[5] .. '\\n' .. ARGV[6]

@@ -66,7 +66,7 @@ class LockBackend(Protocol):
                 retake: str | None = None) -> Lock | Holder | Verdict | Done: ...
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
-                again: bool = False, retries: int = 0) -> Released: ...
+                again: bool = False, retries: int = 0, cooldown: float = 0.0) -> Released: ...
 
     def renew(self, lock: Lock) -> bool: ...
 
@@ -227,7 +227,7 @@ class LockServer(ScriptClient):
             pass  # it expires within its ttl
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
-                again: bool = False, retries: int = 0) -> Released:
+                again: bool = False, retries: int = 0, cooldown: float = 0.0) -> Released:
         """Delete the lock if ``lock`` still holds it, and pass the key to the next waiter: one round trip.
 
         Idempotent. On an error it raises and the handle keeps its token, so the
@@ -239,13 +239,15 @@ class LockServer(ScriptClient):
         release whose reply was lost; if that first try did run and handed the key
         on, this one says "deleted" and returns the hand-off, to be sent now.
         ``retries`` (Celery's count of the holder's request) names its redelivered
-        copy's entry, dropped on success wherever it waits. In
+        copy's entry, dropped on success wherever it waits. ``cooldown`` > 0 keeps the
+        key taken, by nobody, for that many seconds: waiters get it from the sweeper
+        once it runs out (announce the key to it: :func:`line.announce`). In
         another process than the one that took it, nothing is done (status -2).
         """
         if lock.pid != os.getpid():
             return Released(-2)
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
-                value if remember else b"", "1" if again else "0", str(retries))
+                value if remember else b"", "1" if again else "0", str(retries), str(ms(cooldown)) if cooldown else "0")
         reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args)
         lock.released = True
         handoffs = tuple(Handoff.parse(lock.key, item) for item in reply[1:])

@@ -252,6 +252,8 @@ def release(ctx: click.Context, key: str, yes: bool) -> None:
     was = lock_row(key, task, value, -2, waiters, now_us)
     if was["reserved"]:
         holder = f"reserved for waiting task {was['task_id']}"
+    elif was["cooldown"]:
+        holder = f"cooling down after task {was['task_id']}"
     else:
         holder = (f"held by task {was['task_id']} on host {was['host']} (pid {was['pid']}) for "
                   f"{duration(was['held_ms'])}, fencing token {was['fencing_token']}")

@@ -99,6 +99,7 @@ def lock_row(key: str, task: str, value: bytes | str, pttl: int, waiters: int, n
         "fencing_token": fence,
         "waiters": int(waiters),
         "reserved": holder.reserved,
+        "cooldown": holder.cooldown,
     }
 
 
@@ -107,6 +108,9 @@ def describe(row: dict[str, Any]) -> str:
     if row["reserved"]:
         text = (f"reserved for waiting task {row['task_id']} (being handed the key), expires in "
                 f"{expiry(row['ttl_ms'])}; {row['waiters']} waiting")
+    elif row.get("cooldown"):
+        text = (f"cooling down after task {row['task_id']}: no run until it ends, in {expiry(row['ttl_ms'])}; "
+                f"{row['waiters']} waiting")
     else:
         text = (f"held by task {row['task_id']} on host {row['host']} (pid {row['pid']}) for "
                 f"{duration(row['held_ms'])}, expires in {expiry(row['ttl_ms'])}, fencing token "
@@ -127,7 +131,8 @@ def table(rows: list[dict[str, Any]], members: int = 0) -> str:
     header += ("MEMBERS",) if members else ()
     lines: list[tuple[str, ...]] = [header]
     for row in rows:
-        holder = f"reserved for {row['task_id']}" if row["reserved"] else str(row["task_id"])
+        holder = (f"reserved for {row['task_id']}" if row["reserved"]
+                  else f"cooldown after {row['task_id']}" if row.get("cooldown") else str(row["task_id"]))
         lines.append((
             row["key"], row["task"], holder, str(row["host"] or "-"), str(row["pid"] or "-"),
             duration(row["held_ms"]), expiry(row["ttl_ms"]), str(row["fencing_token"] or "-"), str(row["waiters"]),

@@ -261,24 +261,27 @@ class QuorumLockServer:
         """Undo a failed or untrusted acquire on every member it may have reached (not waited for: a
         member that does not run it in time keeps a tombstone that makes the late acquire a no-op)."""
         reached = self._reached.pop(token, range(len(self.members)))
-        self._fan_out(qlua.Q_RELEASE, [self._releaser(key, token, ("", "0", "0"))], lambda r: True,
+        self._fan_out(qlua.Q_RELEASE, [self._releaser(key, token, ("", "0", "0", "0"))], lambda r: True,
                       only=reached, force=reached)
 
     @staticmethod
-    def _releaser(key: str, token: str, rest: tuple[str, str, str]) -> tuple[Sequence[str], Sequence[Any]]:
+    def _releaser(key: str, token: str, rest: tuple[str, str, str, str]) -> tuple[Sequence[str], Sequence[Any]]:
         """The keys and args of a release: Q_RELEASE of ``token``'s lock (``rest``: owner id, succeeded,
-        remember ms), leaving a tombstone where the lock is not (yet) there."""
-        return (key, layout.done(key), layout.tomb(key, token)), (token + " ", *rest, ms(LATE + 60.0))
+        remember ms, cooldown ms), leaving a tombstone where the lock is not (yet) there."""
+        owner, succeeded, remember, cooldown = rest
+        return (key, layout.done(key), layout.tomb(key, token)), (
+            token + " ", owner, succeeded, remember, ms(LATE + 60.0), cooldown)
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
-                again: bool = False, retries: int = 0) -> Released:
+                again: bool = False, retries: int = 0, cooldown: float = 0.0) -> Released:
         """Release on every member; deleted (status 1) when a majority still had our token.
 
         ``value`` is not kept (a quorum's done record drops a redelivery; it cannot replay it), and
         ``again`` changes nothing (a quorum hands no key on)."""
         if lock.pid != os.getpid():
             return Released(-2)
-        rest = (lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0")
+        rest = (lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
+                str(ms(cooldown)) if cooldown else "0")
         # every member the acquire may have reached gets the release, queued behind that acquire even
         # where the member seems stuck (before: skipped, so the late acquire left a lingering lock)
         reached = self._reached.pop(lock.token, range(len(self.members)))

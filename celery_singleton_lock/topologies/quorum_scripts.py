@@ -65,14 +65,20 @@ return {taken, fence}
 Q_RELEASE = """
 -- KEYS[1] lock, KEYS[2] done records, KEYS[3] the tombstone of ARGV[1]'s attempt; ARGV[1] "<token> ",
 -- ARGV[2] owner id, ARGV[3] '1' if the holder succeeded, ARGV[4] ms to remember that success ('0':
--- not needed), ARGV[5] ms to keep the tombstone. Returns 1 deleted (ours), 0 gone, -1 another's.
+-- not needed), ARGV[5] ms to keep the tombstone, ARGV[6] ms of cooldown ('0' none: the key stays
+-- taken that long, by nobody). Returns 1 deleted (ours), 0 gone, -1 another's.
 -- Where the lock is not ours, our acquire may still be on its way to this member (it was stopped or
 -- slow, or the acquire's connection timed out and this release came on another one): a tombstone
 -- makes that acquire take nothing when it runs, so a finished lock never lingers here.
 local held = redis.call('GET', KEYS[1])
 local status = 0
 if held and string.sub(held, 1, #ARGV[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
+  if (ARGV[6] or '0') ~= '0' then                              -- a cooldown, as RELEASE keeps it
+    local cool = cjson.encode({owner = ARGV[2], cooldown = true})
+    redis.call('SET', KEYS[1], '= ' .. (string.match(held, '^%S+ (%d+)') or '0') .. ' ' .. cool, 'PX', ARGV[6])
+  else
+    redis.call('DEL', KEYS[1])
+  end
   status = 1
 else
   if held then status = -1 end

@@ -1,0 +1,145 @@
+"""``on_duplicate="coalesce"``: a burst of duplicates becomes ONE follow-up run, with the latest arguments.
+
+For refresh work (rebuild a cache, reindex a document, sync an account), ten calls while one
+runs should cause exactly one more run after it: not ten, and not zero. So:
+
+* the first duplicate that finds the key held parks in its line, as ``"retry"`` does;
+* a later duplicate, while a parked call is last in line, merges into it
+  (``line.park(..., merge=True)``, one atomic script): it adds no run, it is stored
+  WAITING (``{"merged_into": <waiter's task id>}``), and :data:`duplicate_coalesced` is sent;
+* when the waiter's turn comes, its run reads the merged calls (:func:`take`) and runs with
+  the arguments of the LATEST one ("latest wins"; where every argument is in the key,
+  ``lock_key=None``, they are all the same);
+* when that run ends, every merged call is settled (:func:`settle`) as if it had run: on
+  success its result is the run's value and its own links and chain are sent; on failure it
+  fails with the run's exception and its errbacks are called. A run that did not end either
+  way (retried, ignored, rejected) sends the merged calls again as they were, so none is lost.
+
+A waiter that times out in line (``lock_max_wait``) fails its merged calls with the same
+:class:`LockWaitTimeout`; one revoked while waiting sends them again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import signature
+from celery.app.task import Context
+from celery.states import FAILURE, SUCCESS
+from kombu.serialization import loads
+
+from .engine import dedupe, layout
+from .engine.server import LockServer
+from .exceptions import LockError
+
+logger = logging.getLogger("celery_singleton_lock")
+
+MERGED = "_singleton_lock_merged"
+"""Attribute of ``self.request``: (key, entry, the merged calls' signatures) of a coalescing run."""
+
+
+def take(server: Any, request: Any, key: str, entry: str) -> list[dict[str, Any]]:
+    """The calls merged into this waiter (a copy whose turn came), remembered on the request until
+    it ends; the latest is last."""
+    if not isinstance(server, LockServer):
+        return []
+    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, entry)]
+    if calls:
+        request.__dict__[MERGED] = (server, key, entry, calls)
+    return calls
+
+
+def latest_arguments(request: Any) -> tuple[Any, Any] | None:
+    """The arguments of the latest merged call, to run with instead of the waiter's own."""
+    merged = request.__dict__.get(MERGED)
+    if not merged:
+        return None
+    last = merged[3][-1]
+    return tuple(last.get("args") or ()), dict(last.get("kwargs") or {})
+
+
+def settle(task: Any, request: Any, state: str | None, value: Any = None, exc: BaseException | None = None) -> None:
+    """The run that covered the merged calls ended in ``state``: settle each of them (module doc)."""
+    merged = request.__dict__.pop(MERGED, None)
+    if not merged:
+        return
+    server, key, entry, calls = merged
+    for call in calls:
+        try:
+            if state == SUCCESS:
+                _succeed(task, call, value)
+            elif state == FAILURE and exc is not None:
+                _fail(task, call, exc)
+            else:
+                task.app.signature(call).apply_async()  # not covered: it goes again, as it was
+        except Exception:
+            logger.exception("lock %s: settling the merged call %s failed", key, _id(call))
+    try:
+        dedupe.drop_merged(server, key, entry)
+    except LockError as exc2:
+        logger.warning("lock %s: the merged calls of %s stay until they expire: %s", key, entry, exc2)
+
+
+def fail_all(task: Any, server: Any, key: str, entry: str, exc: BaseException) -> None:
+    """A waiter that never ran (it waited too long) fails the calls merged into it the same way."""
+    if not isinstance(server, LockServer):
+        return
+    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, entry)]
+    for call in calls:
+        _fail(task, call, exc)
+    if calls:
+        dedupe.drop_merged(server, key, entry)
+
+
+def send_again(app: Any, server: Any, key: str, entry: str) -> int:
+    """A waiter left its line without running (revoked): the calls merged into it go again, as they were."""
+    if not isinstance(server, LockServer):
+        return 0
+    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, entry)]
+    for call in calls:
+        app.signature(call).apply_async()
+    if calls:
+        dedupe.drop_merged(server, key, entry)
+    return len(calls)
+
+
+def _succeed(task: Any, call: dict[str, Any], value: Any) -> None:
+    """What Celery's tracer does after a success, for a call that did not run itself: store the
+    result (a chord part counts), then send its links and the rest of its chain."""
+    ctx = _context(task, call)
+    if not task.ignore_result:
+        task.backend.mark_as_done(ctx.id, value, request=ctx)
+    for link in ctx.callbacks or ():
+        signature(link, app=task.app).apply_async((value,), parent_id=ctx.id, root_id=ctx.root_id)
+    chain = list(ctx.chain or ())
+    if chain:
+        first = signature(chain.pop(), app=task.app)
+        first.apply_async((value,), chain=chain, parent_id=ctx.id, root_id=ctx.root_id)
+
+
+def _fail(task: Any, call: dict[str, Any], exc: BaseException) -> None:
+    """Store the failure (a chord part counts) and call the call's errbacks, as Celery does."""
+    ctx = _context(task, call)
+    task.backend.mark_as_failure(ctx.id, exc, request=ctx, store_result=not task.ignore_result)
+
+
+def _context(task: Any, call: dict[str, Any]) -> Context:
+    options = call.get("options") or {}
+    return Context(
+        id=options.get("task_id"), task=task.name, args=call.get("args"), kwargs=call.get("kwargs"),
+        callbacks=options.get("link"), errbacks=options.get("link_error"), chain=options.get("chain"),
+        chord=options.get("chord"), group=options.get("group_id"), group_index=options.get("group_index"),
+        root_id=options.get("root_id"), parent_id=options.get("parent_id"), reply_to=options.get("reply_to"),
+        headers=options.get("headers"), delivery_info={}, ignore_result=task.ignore_result,
+    )
+
+
+def _unpack(packed: bytes) -> dict[str, Any]:
+    content_type, encoding, data = layout.split_message(packed)
+    call: dict[str, Any] = loads(data, content_type, encoding, accept=[content_type])
+    return call
+
+
+def _id(call: dict[str, Any]) -> str:
+    return str((call.get("options") or {}).get("task_id"))
