@@ -12,6 +12,9 @@ it; a call with links or a chain would lose them if it joined another call. Thos
 as they are, and ``send_task`` cannot be intercepted at all: what protects all of them is the
 lock taken at execution, which every delivery goes through.
 
+If the lock server cannot be reached at publish, the call is published unchecked, with a
+WARNING: the lock taken at execution (which waits for the server) still applies.
+
 The mark lives until the call's delivery starts (:func:`started`: it took the lock, parked, or
 was refused; from then on the lock or the line shows the call), until the call is revoked
 while queued, or for ``lock_publish_ttl`` seconds at most: a message lost in the broker
@@ -29,7 +32,7 @@ from celery.utils import uuid
 from .engine import dedupe
 from .engine.lock import ms
 from .engine.server import LockServer
-from .exceptions import AlreadyQueued, LockError
+from .exceptions import AlreadyQueued, LockBackendUnavailable, LockError
 from .headers import MARKED
 from .signals import publish_joined
 
@@ -55,7 +58,12 @@ def publish(task: Any, args: Any, kwargs: Any, options: dict[str, Any], send: An
                         f"Cluster as its lock server; {type(server).__name__} keeps no publish marks")
     key = task.lock_key_for(args, kwargs)
     task_id = uuid()
-    found = dedupe.mark(server, key, task_id, ms(settings.publish_ttl))
+    try:
+        found = dedupe.mark(server, key, task_id, ms(settings.publish_ttl))
+    except LockBackendUnavailable as exc:  # the execution lock still applies: publish, unchecked
+        logger.warning("task %s: lock_publish could not check lock %s (%s); published unchecked", task.name,
+                       key, exc)
+        return send(args, kwargs, task_id=task_id, **options)
     if found is not None:
         publish_joined.send(sender=task, key=key, task_id=found.task_id, state=found.state, mode=settings.publish)
         if settings.publish == "raise":

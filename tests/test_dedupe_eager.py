@@ -138,3 +138,19 @@ def test_celery_locks_shows_a_cooldown_with_the_time_left(worker_app):
     shown = celery_cli("locks", "show", key)
     assert shown.returncode == 0, shown.stderr
     assert "cooling down after task the-last-run" in shown.stdout and "in 2" in shown.stdout  # 29 s / 30 s left
+
+
+def test_publish_goes_unchecked_with_a_warning_when_the_lock_server_is_down(redis_server, caplog):
+    from celery_singleton_lock.testing.servers import free_port
+
+    app = make_app(redis_server, task_default_queue=f"nobody-{uuid.uuid4().hex[:6]}",
+                   singleton_lock_redis_options={"socket_connect_timeout": 0.5})
+    app.conf.singleton_lock_url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+
+    @app.task(base=LockedTask, shared=False, name=f"e.down.{uuid.uuid4().hex[:6]}", lock_publish="raise")
+    def down(k):
+        return k
+
+    first, second = down.delay("a"), down.delay("a")
+    assert first.id != second.id  # both published: the execution lock decides between them
+    assert any("published unchecked" in r.getMessage() for r in caplog.records)
