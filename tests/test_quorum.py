@@ -787,3 +787,16 @@ def test_a_forked_child_does_not_inherit_a_member_stuck_in_its_parent(quorum, ma
     proc.join(20)
     assert proc.exitcode == 0
     assert out.get(timeout=5) is True, "the child skipped member 2, stuck only in its parent"
+
+
+def test_a_cooldown_keeps_the_key_on_a_majority_then_frees_it(quorum, masters):
+    """lock_cooldown on a quorum: the release keeps the key, by nobody, on every member it was on."""
+    key = name()
+    lock = take(quorum, key)
+    assert quorum.release(lock, succeeded=True, cooldown=1.0).status == 1
+    found = quorum.acquire(key, 5.0)
+    assert isinstance(found, Holder) and found.cooldown and 0 < found.ttl_ms <= 1000
+    assert sum(1 for s in masters if (s.client(2).get(found.key) or b"").startswith(b"= ")) >= quorum.majority
+    after = take(quorum, key, deadline=5.0)  # the cooldown ran out: free again, with a higher fence
+    assert after.fencing_token > lock.fencing_token
+    quorum.release(after)
