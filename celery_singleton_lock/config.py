@@ -47,6 +47,7 @@ OPTIONS: dict[str, tuple[str, Any]] = {
     "lock_cooldown_on_failure": ("singleton_lock_cooldown_on_failure", False),
     "lock_publish": ("singleton_lock_publish", None),
     "lock_publish_ttl": ("singleton_lock_publish_ttl", 600.0),
+    "lock_wait_in_slot": ("singleton_lock_wait_in_slot", 0.0),
 }
 DEFAULT_REDELIVERY_WINDOW = 3600.0
 """Seconds a success is remembered for acks_late tasks, when the broker has no visibility timeout."""
@@ -106,6 +107,8 @@ class LockSettings:
     """``lock_publish``: "join", "raise", or None (no check at publish)."""
     publish_ttl: float = 600.0
     """Seconds a publish mark lives at most: how long a message lost in the broker blocks publishes."""
+    wait_in_slot: float = 0.0
+    """Seconds a "retry" duplicate waits for the hand-off in its worker slot before it parks (0: parks at once)."""
 
 
 def _check_option(where: str, option: str, value: Any) -> Any:
@@ -126,6 +129,11 @@ def _check_option(where: str, option: str, value: Any) -> Any:
     if option == "lock_cooldown":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 86400 * 365:
             raise ValueError(f"{where}: lock_cooldown must be a number of seconds >= 0, got {value!r}")
+        return float(value)
+    if option == "lock_wait_in_slot":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= queue.LONGEST_BLOCK:
+            raise ValueError(f"{where}: lock_wait_in_slot must be a number of seconds >= 0 and <= "
+                             f"{queue.LONGEST_BLOCK:g}, got {value!r}")
         return float(value)
     if option == "lock_cooldown_on_failure":
         if not isinstance(value, bool):
@@ -239,6 +247,7 @@ def resolve(task: Any) -> LockSettings:
         cooldown_on_failure=values["lock_cooldown_on_failure"],
         publish=values["lock_publish"],
         publish_ttl=values["lock_publish_ttl"],
+        wait_in_slot=values["lock_wait_in_slot"],
     )
 
 

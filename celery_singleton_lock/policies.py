@@ -19,7 +19,7 @@ from . import config, handoff
 from .decide import Action
 from .engine import line as queue
 from .engine import sweeper as sweeping
-from .engine.lock import Done, Holder, Verdict
+from .engine.lock import Done, Holder, Lock, Verdict
 from .engine.server import LockServer
 from .exceptions import (
     DuplicateTask,
@@ -40,9 +40,10 @@ end state once its turn came and it ran)."""
 
 
 def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settings: config.LockSettings,
-         server: LockServer, key: str, outcome: Any, entry: str | None) -> None:
-    """Park this delivery in the key's line and end it (raises Ignore); returns only if the key was
-    freed meanwhile, for the caller to try again."""
+         server: LockServer, key: str, outcome: Any, entry: str | None) -> Lock | None:
+    """Park this delivery in the key's line and end it (raises Ignore); returns None if the key was
+    freed meanwhile, for the caller to try again, or the Lock if it was handed the key while it waited
+    in its worker slot (``lock_wait_in_slot``), to run now."""
     same = action is Action.PARK_SAME
     first = action not in (Action.PARK, Action.COALESCE)
     holder_id = outcome.owner_id if isinstance(outcome, Holder) else request.id
@@ -56,14 +57,16 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
             raise LockWaitTimeout(key, settings.max_wait)
     message = handoff.pack(task, request, args, kwargs)
     entry = entry or queue.entry_for(request.id, request.retries)
+    block = settings.wait_in_slot if action is Action.PARK and settings.on_duplicate == "retry" else 0.0
     place = queue.park(
         server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
         owner_id=request.id, message=message, first=first,
         again=(request.headers or {}).get(ENTRY) == entry,
         redelivered=bool((request.delivery_info or {}).get("redelivered")), merge=action is Action.COALESCE,
+        block=block,
     )
     if not place:
-        return
+        return None
     if isinstance(place, queue.Merged):
         merged(task, request, key, place)
     if place == queue.TOOK_ITS_TURN:  # a redelivery of a parked message whose turn already came
@@ -76,6 +79,10 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
             logger.warning("lock %s: could not tell the sweepers about its line: %s", key, exc)
     sweeping.get_sweeper().remember(server, key, entry, request.id, settings.ttl, message)
     sweeping.get_sweeper().watch(server, settings.index)
+    if block and not already:
+        lock = _in_slot(server, request, key, entry, settings)
+        if lock is not None:
+            return lock
     own = holder_id == request.id
     if not own and not get_actual_ignore_result(task, request):
         task.backend.store_result(
@@ -92,6 +99,25 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         policy="redelivery" if own else "retry",
     )
     raise Ignore(f"waiting in line for lock {key}")
+
+
+def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: config.LockSettings) -> Lock | None:
+    """``lock_wait_in_slot``: wait for the hand-off in the worker slot, briefly (the hot-key fast path). The
+    Lock if it was handed the key meanwhile; None once it is parked as usual; Ignore if its turn came as a
+    message (the copy runs it)."""
+    try:
+        got = queue.wait_in_slot(server, key, entry, settings.wait_in_slot)
+    except LockError as exc:  # its mark in Redis runs out by itself: then it is an ordinary parked task
+        logger.warning("lock %s: task %s stops waiting in its slot (%s); parked", key, request.id, exc)
+        return None
+    if got == queue.WOKEN:
+        lock = server.acquire(key, settings.ttl, owner_id=request.id, entry=entry)
+        if isinstance(lock, Lock):
+            return lock
+        raise Ignore(f"its reservation of lock {key} ran out before it claimed it: its copy is sent")
+    if got == queue.SENT:
+        raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot: the copy runs it")
+    return None
 
 
 def merged(task: Any, request: Any, key: str, into: queue.Merged) -> NoReturn:

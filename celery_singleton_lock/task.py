@@ -55,7 +55,7 @@ _REENTERED = "_singleton_lock_reentered"
 _REPLAY = "_singleton_lock_replay"
 """Set on ``self.request`` to the recorded value of a body that already ran (see decide's REPLAY)."""
 _BODY_STARTED = "_singleton_lock_body_started"
-"""Set on ``self.request`` once the tracer called the body, so a nested direct call is told apart."""
+"""Set on ``self.request`` once the tracer called the body (a nested direct call is told apart)."""
 
 
 class LockedTask(Task):
@@ -69,10 +69,10 @@ class LockedTask(Task):
     ``lock_ttl``
         seconds the lock lives without renewal (``singleton_lock_ttl``, 30).
     ``on_duplicate``
-        "skip", "retry", "raise" or "backoff" (``singleton_lock_on_duplicate``, "skip").
-    ``lock_max_wait``
-        seconds a duplicate may wait in line ("retry") before it fails with
-        :class:`LockWaitTimeout` (``singleton_lock_max_wait``, 3600).
+        "skip", "retry", "raise", "backoff" or "coalesce" (``singleton_lock_on_duplicate``, "skip").
+    ``lock_max_wait``, ``lock_wait_in_slot``
+        seconds a duplicate may wait in line ("retry") before it fails with :class:`LockWaitTimeout`
+        (3600); seconds it first waits in its worker slot, woken by the hand-off (0: it parks at once).
     ``lock_max_retries``, ``lock_retry_backoff``, ``lock_retry_backoff_max``
         the budget and back-off of re-sends, for "backoff" and for an
         unreachable Redis, apart from the task's own ``max_retries`` (50, 1 s, 30 s).
@@ -82,12 +82,10 @@ class LockedTask(Task):
         seconds the key stays taken after a successful run (0), and whether a failed
         run keeps it too (False): at most one run per key per cooldown.
     ``lock_publish``, ``lock_publish_ttl``
-        "join" or "raise": ``delay``/``apply_async`` of a call whose key has a call queued,
-        waiting or running returns that call's AsyncResult, or raises AlreadyQueued
-        (None: no check at publish); how long a publish mark lives at most (600 s).
+        "join" or "raise": ``delay()`` of a call whose key has a call queued, waiting or running returns
+        its AsyncResult, or raises AlreadyQueued (None: no check); a publish mark's longest life (600 s).
 
-    Options are checked when the task class is made (app finalize, or first use of
-    the task), so a bad one fails there, naming the task and the option.
+    Options are checked when the task class is made (app finalize, or first use), naming the bad one.
     ``track_started`` is honoured, but STARTED is stored by LockedTask once the lock
     is taken (never by a duplicate or a redelivery); ``task.track_started`` then
     reads False and ``task.lock_track_started`` True.
@@ -107,10 +105,10 @@ class LockedTask(Task):
     lock_cooldown_on_failure: ClassVar[bool | None] = None
     lock_publish: ClassVar[str | None] = None
     lock_publish_ttl: ClassVar[float | None] = None
+    lock_wait_in_slot: ClassVar[float | None] = None
 
     lock_track_started: ClassVar[bool] = False
-    """The task's ``track_started`` (option or ``task_track_started``): LockedTask stores
-    STARTED itself, once the lock is taken (see :meth:`on_bound`)."""
+    """The task's ``track_started``: LockedTask stores STARTED itself, once the lock is taken (:meth:`on_bound`)."""
 
     _lock_signature: Any = None
 
@@ -256,7 +254,9 @@ class LockedTask(Task):
                 continue
             if action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.COALESCE):
                 assert isinstance(server, LockServer)  # decide() parks only where there is a line
-                policies.park(self, action, request, args, kwargs, settings, server, key, outcome, entry)
+                handed = policies.park(self, action, request, args, kwargs, settings, server, key, outcome, entry)
+                if handed is not None:  # handed the key while it waited in its worker slot
+                    return self._run_with(handed, request, settings)
                 entry = None  # park() ends the delivery once parked; back here, the key was freed: try again
                 continue
             policies.refuse(self, action, request, settings, key, outcome)

@@ -309,3 +309,38 @@ def test_a_call_revoked_while_queued_frees_its_mark(env):
     assert state_of(queued) == "REVOKED" and runs(env, key) == []
     fresh = env.joined.delay(key, 0.0, "fresh")
     assert fresh.id != queued.id and fresh.get(timeout=TIMEOUT)["tag"] == "fresh"
+
+
+# -- waiting in the worker slot (the hot-key fast path) -----------------------------------------------
+
+
+def entries(env, key):
+    return {e["tag"]: e["entry"] for e in map(json.loads, env.journal.lrange(f"entries:{key}", 0, -1))}
+
+
+def test_a_duplicate_handed_the_key_while_it_waits_in_its_slot_runs_there(env):
+    """lock_wait_in_slot=1: a duplicate behind a 0.3 s holder is woken by the release and runs in the
+    same delivery (no turn message, never WAITING), after the holder, in line order."""
+    key = _key()
+    holder = env.in_slot.delay(key, 0.3, "holder")
+    started(env, key)
+    dups = [env.in_slot.delay(key, 0.05, f"d{i}") for i in range(2)]
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert [d.get(timeout=TIMEOUT)["tag"] for d in dups] == ["d0", "d1"]
+    done = runs(env, key)
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    assert [r["tag"] for r in done][0] == "holder"
+    assert entries(env, key)["d0"] is None  # ran in its own delivery: no turn was sent
+
+
+def test_a_long_holder_makes_the_slot_waiter_park_and_it_runs_in_its_turn(env):
+    key = _key()
+    holder = env.in_slot.delay(key, 2.5, "holder")
+    started(env, key)
+    dup = env.in_slot.delay(key, 0.0, "late")
+    wait_until(lambda: state_of(dup) == "WAITING", TIMEOUT, what="the duplicate to park after its slot wait")
+    assert not holder.ready()
+    holder.get(timeout=TIMEOUT)
+    assert dup.get(timeout=TIMEOUT)["tag"] == "late"
+    assert entries(env, key)["late"]  # it came back as its turn's message
+    assert_no_overlap([(r["start"], r["end"]) for r in runs(env, key)])

@@ -15,7 +15,10 @@ every key below lives in K's hash slot and no script touches two slots):
     kind ``t`` a parked task (message: the task message to send again),
     ``s`` a redelivered copy of the running task (dropped if it succeeds),
     ``p`` plain code blocked in ``held(..., wait=...)`` (woken through
-    ``K:wake:<entry>``); state ``p`` parked, ``h`` handed the key (its
+    ``K:wake:<entry>``); state ``p`` parked, ``b`` a task still waiting in its
+    worker slot while ``K:b:<entry>`` lives (``lock_wait_in_slot``), ``w`` such a
+    task woken there through ``K:wake:<entry>`` (the key reserved for it; no
+    message is sent unless the reservation runs out), ``h`` handed the key (its
     message not yet known to be sent: the reservation lasts one lock TTL, then
     the sweeper sends it again), ``c`` handed and sent (the reservation lasts
     until the copy arrives, up to the turn timeout; then the key passes on,
@@ -100,6 +103,11 @@ def publish_mark(key: str) -> str:
 def merged(key: str, entry: str) -> str:
     """``K:m:<entry>``: the calls merged into waiter ``entry`` (``on_duplicate="coalesce"``), oldest first."""
     return f"{key}:m:{entry}"
+
+
+def blocking(key: str, entry: str) -> str:
+    """``K:b:<entry>``: waiter ``entry`` still waits in its worker slot (``lock_wait_in_slot``) while this lives."""
+    return f"{key}:b:{entry}"
 
 
 def floor(key: str) -> str:

@@ -119,6 +119,7 @@ def park(
     again: bool = False,
     redelivered: bool = False,
     merge: bool = False,
+    block: float = 0.0,
 ) -> int:
     """Put a waiter in ``name``'s line: its place (1 = next), 0 if the key is free and nobody
     waits (then take it instead), or its place if ``entry`` is parked already and
@@ -132,6 +133,8 @@ def park(
     is its continuation). ``wait`` is how long it may wait before it is timed out.
     ``merge`` (``on_duplicate="coalesce"``): if the last in line is a parked task, the
     message joins its merged calls instead (:class:`Merged`; see :mod:`.dedupe`).
+    ``block`` > 0: the task goes on waiting in its worker slot that many seconds
+    (:func:`wait_in_slot`); a hand-off meanwhile wakes it there instead of sending its message.
     """
     if "\n" in owner_id:
         raise ValueError(f"an owner id cannot contain a newline: {owner_id!r}")
@@ -139,7 +142,7 @@ def park(
     reply = server.run(
         scripts.PARK, server.keys_for(key),
         (entry, kind, ms(wait), ms(ttl), owner_id, message, "1" if first else "0", "1" if again else "0",
-         "1" if redelivered else "0", "1" if merge else "0"),
+         "1" if redelivered else "0", "1" if merge else "0", str(ms(block)) if block > 0 else "0"),
     )
     status = int(reply[0])
     if status == 4:
@@ -149,6 +152,29 @@ def park(
     if status == 3:
         return TOOK_ITS_TURN
     return int(reply[1]) if status == 1 else 0
+
+
+WOKEN, PARKED, SENT = 2, 1, 0
+"""What :func:`wait_in_slot` returns: the key is reserved for it (claim it now); it is parked (its message
+goes when its turn comes); or its turn came as a message already (or it left the line): the delivery ends."""
+
+
+def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> int:
+    """Wait in the worker slot for the hand-off of a task parked with ``block``, up to ``seconds``.
+
+    The hot-key fast path: a release wakes the waiter through its wake-up list in the same round trip
+    that hands it the key, and it runs at once, with no message through the broker. Past ``seconds``
+    it stops waiting there (one script decides, atomically, against a hand-off landing meanwhile).
+    """
+    key = slot_safe(name)
+    try:
+        woken = server.client.blpop([layout.wake(key, entry)], timeout=seconds)
+    except RedisError as exc:
+        woken = None
+        logger.warning("lock %s: waiting in the worker slot failed (%s); parked instead", name, exc)
+    if woken:
+        return WOKEN
+    return int(server.run(scripts.UNBLOCK, server.keys_for(key), (entry,)))
 
 
 def leave(server: LockServer, name: str, entry: str) -> bool:

@@ -63,6 +63,13 @@ local function hand_off(now, drop_owner, out)
     else
       local reserved = cjson.encode({owner = owner, reserved = true, by = handed_by})
       redis.call('SET', LOCK, '~' .. e .. ' 0 ' .. reserved, 'PX', ttl)
+      if state == 'b' and redis.call('EXISTS', LOCK .. ':b:' .. e) == 1 then
+        -- a task still waiting in its worker slot: woken there, nothing to send
+        redis.call('HSET', WAITERS, e, kind .. 'w' .. string.sub(rec, 3))
+        redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
+        redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
+        return out
+      end
       redis.call('HSET', WAITERS, e, kind .. 'h' .. string.sub(rec, 3))
       if kind == 'p' then
         redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
@@ -219,6 +226,8 @@ PARK = _KEYS + """
 -- its turn was taken already and {3} is returned (nothing parked).
 -- ARGV[10] '1' to merge instead (on_duplicate="coalesce"): if the last in line is a parked task,
 -- the message joins that waiter's merged calls (LOCK:m:<its entry>) and {4, entry, owner} is returned.
+-- ARGV[11] ms the task waits in its worker slot ('0' none): state 'b', and LOCK:b:<entry> lives that
+-- long; a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message.
 -- Returns {0} when the key is free and nobody waits (take it instead),
 -- {2, place (0: out of line, its copy on its way)} when the entry is parked
 -- already (a task's entry id comes from its task id: a redelivery of a parked
@@ -243,7 +252,12 @@ if ARGV[10] == '1' then
   end
 end
 local wait = tonumber(ARGV[3])
-local rec = ARGV[2] .. 'p\\n' .. string.format('%.0f', now + wait) .. '\\n'
+local state = 'p'
+if (ARGV[11] or '0') ~= '0' then
+  state = 'b'
+  redis.call('SET', LOCK .. ':b:' .. ARGV[1], '1', 'PX', ARGV[11])
+end
+local rec = ARGV[2] .. state .. '\\n' .. string.format('%.0f', now + wait) .. '\\n'
   .. ARGV[4] .. '\\n' .. ARGV[5] .. '\\n' .. ARGV[6]
 redis.call('HSET', WAITERS, ARGV[1], rec)
 redis.call('LREM', LINE, 1, ARGV[1])
@@ -313,6 +327,23 @@ else
   out[1] = soonest
 end
 return out
+"""
+
+UNBLOCK = _KEYS + """
+-- ARGV[1] entry id: a task that waited in its worker slot stops waiting there (see PARK's ARGV[11]).
+-- Returns 1 parked now (its message is sent when its turn comes), 2 it was woken: the key is
+-- reserved for it, claim it now, 0 it was handed the key as a message (or left the line): this
+-- delivery ends.
+redis.call('DEL', LOCK .. ':b:' .. ARGV[1])
+local rec = redis.call('HGET', WAITERS, ARGV[1])
+if not rec then return 0 end
+local state = string.sub(rec, 2, 2)
+if state == 'b' then
+  redis.call('HSET', WAITERS, ARGV[1], string.sub(rec, 1, 1) .. 'p' .. string.sub(rec, 3))
+  return 1
+end
+if state == 'w' then return 2 end
+return 0
 """
 
 CONFIRM = """

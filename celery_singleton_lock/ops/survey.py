@@ -17,7 +17,8 @@ from ..engine.lock import Holder
 _COMPANIONS = re.compile(r"^(?P<lock>.+:\{[^{}]+\}):(?:q|w|d|g|d:.*|wake:.*)$")
 _LOCK = re.compile(r"^(?P<task>[^{}]+):\{[^{}]+\}$")
 KINDS = {"t": "task", "s": "redelivered copy", "p": "plain code"}
-STATES = {"p": "parked", "h": "handed the key (its message not yet confirmed sent)", "c": "handed the key, sent"}
+STATES = {"p": "parked", "h": "handed the key (its message not yet confirmed sent)", "c": "handed the key, sent",
+          "b": "waiting in its worker slot", "w": "woken in its worker slot (the key is reserved for it)"}
 
 
 def parse_key(key: str, prefixes: Sequence[str]) -> str:

@@ -97,3 +97,12 @@ def echo_tag(result: dict, to: str) -> dict:
 @app.task
 def errback_log(request, exc, traceback) -> None:
     journal.rpush("errbacks", json.dumps({"id": request.id, "exc": type(exc).__name__}))
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=1.0)
+def in_slot(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
+    """A "retry" duplicate first waits up to 1 s in its worker slot: journals whether it came as a turn."""
+    result = _run(self, key, seconds, tag)
+    journal.rpush(f"entries:{key}", json.dumps({"tag": tag, "entry": (self.request.headers or {}).get(
+        "singleton_lock_entry")}))
+    return result
