@@ -125,7 +125,7 @@ class BenchWorker:
             cwd=BENCH_DIR,
             logfile=str(out_dir / f"worker-{name}.log"),
             # Celery's default log level: no per-task log lines
-            extra=["--loglevel", "WARNING", "--prefetch-multiplier", "4", *extra],
+            extra=["--loglevel", os.environ.get("BENCH_LOGLEVEL", "WARNING"), "--prefetch-multiplier", "4", *extra],
         )
         self.paused = False
 

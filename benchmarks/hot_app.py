@@ -63,6 +63,8 @@ if os.environ.get("BENCH_HOT_QUEUE"):
     app.conf.task_default_queue = os.environ["BENCH_HOT_QUEUE"]
 if os.environ.get("BENCH_HOT_LOCK_TTL"):
     app.conf.singleton_lock_ttl = float(os.environ["BENCH_HOT_LOCK_TTL"])
+if os.environ.get("BENCH_HOT_SLOT_WAIT"):  # lock_wait_in_slot for hot.ours (the hot-key fast path)
+    app.conf.singleton_lock_wait_in_slot = float(os.environ["BENCH_HOT_SLOT_WAIT"])
 
 _fd: int | None = None
 _fd_pid = 0

@@ -120,7 +120,7 @@ def send(server: LockServer, handoff: Handoff) -> bool:
         return False
     sig = app.signature(body)
     headers = dict(sig.options.get("headers") or {})
-    if handoff.what == "run":
+    if handoff.what in ("run", "next"):  # its turn, or (next) sent ahead of it to wait in a worker slot
         headers[ENTRY] = handoff.entry
     elif handoff.what == "recovered":
         headers[ENTRY] = handoff.entry

@@ -57,7 +57,10 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
             raise LockWaitTimeout(key, settings.max_wait)
     message = handoff.pack(task, request, args, kwargs)
     entry = entry or queue.entry_for(request.id, request.retries)
-    block = settings.wait_in_slot if action is Action.PARK and settings.on_duplicate == "retry" else 0.0
+    # a fresh "retry" duplicate, or a copy sent ahead of its turn (or one that lost its reservation),
+    # waits in its worker slot first (lock_wait_in_slot)
+    ahead = action is Action.PARK_FIRST and (request.headers or {}).get(ENTRY) == entry
+    block = settings.wait_in_slot if (action is Action.PARK or ahead) and settings.on_duplicate == "retry" else 0.0
     place = queue.park(
         server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
         owner_id=request.id, message=message, first=first,
@@ -67,6 +70,8 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     )
     if not place:
         return None
+    if place == queue.CLAIM:  # its turn came while it looked: the key is reserved for this copy
+        return _claim(server, request, key, entry, settings)
     if isinstance(place, queue.Merged):
         merged(task, request, key, place)
     if place == queue.TOOK_ITS_TURN:  # a redelivery of a parked message whose turn already came
@@ -111,13 +116,18 @@ def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: c
         logger.warning("lock %s: task %s stops waiting in its slot (%s); parked", key, request.id, exc)
         return None
     if got == queue.WOKEN:
-        lock = server.acquire(key, settings.ttl, owner_id=request.id, entry=entry)
-        if isinstance(lock, Lock):
-            return lock
-        raise Ignore(f"its reservation of lock {key} ran out before it claimed it: its copy is sent")
+        return _claim(server, request, key, entry, settings)
     if got == queue.SENT:
         raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot: the copy runs it")
     return None
+
+
+def _claim(server: LockServer, request: Any, key: str, entry: str, settings: config.LockSettings) -> Lock:
+    """Take the key reserved for ``entry``, to run now."""
+    lock = server.acquire(key, settings.ttl, owner_id=request.id, entry=entry)
+    if isinstance(lock, Lock):
+        return lock
+    raise Ignore(f"its reservation of lock {key} ran out before it claimed it: its copy is sent")
 
 
 def merged(task: Any, request: Any, key: str, into: queue.Merged) -> NoReturn:

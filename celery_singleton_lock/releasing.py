@@ -27,7 +27,7 @@ logger = logging.getLogger("celery_singleton_lock")
 
 
 def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remember: float,
-            value: bytes = b"", retries: int = 0, cooldown: float = 0.0) -> int | None:
+            value: bytes = b"", retries: int = 0, cooldown: float = 0.0, presend: float = 0.0) -> int | None:
     """Release with a short timeout, twice at most; the status (1 deleted, 0 gone, -1 another's, -3 refused), None if
     Redis never answered. A retry after a timed-out try that did execute finds the key gone, or handed by
     that try to the next waiter (RELEASE knows its own hand-off): both count as deleted, and a waiter
@@ -36,7 +36,8 @@ def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remem
     for attempt in (1, 2):
         try:
             status = server.release(lock, succeeded=succeeded, remember=remember, value=value,
-                                    again=attempt == 2, retries=retries, cooldown=cooldown).status
+                                    again=attempt == 2, retries=retries, cooldown=cooldown,
+                                    presend=presend).status
             return 1 if status == 0 and attempt == 2 else status
         except LockBackendUnavailable as exc:
             logger.warning("releasing lock %s failed (try %d of 2): %s", lock.key, attempt, exc)
@@ -60,7 +61,7 @@ def at_end(task: Any, request: Any, lock: Lock, state: str | None, value: Any) -
     packed = pack_value(task, value) if remember and not get_actual_ignore_result(task, request) else b""
     cooldown = settings.cooldown if state == SUCCESS or (state == FAILURE and settings.cooldown_on_failure) else 0.0
     status = release(lock, settings, succeeded=state == SUCCESS, remember=remember, value=packed,
-                     retries=request.retries or 0, cooldown=cooldown)
+                     retries=request.retries or 0, cooldown=cooldown, presend=settings.wait_in_slot)
     if cooldown and status == 1:
         after_cooldown(lock, settings)
     ended = f"task {request.id} ended {state}"

@@ -69,6 +69,9 @@ a waiter that died stops blocking the key after this, not after its whole ``wait
 
 TOOK_ITS_TURN = -1
 """What :func:`park` returns for a broker redelivery whose entry left the line for good already."""
+CLAIM = -2
+"""What :func:`park` returns to an entry's own copy (``again``) when the key was handed to that entry
+meanwhile: claim it (``acquire(..., entry=entry)``) rather than park again."""
 
 
 class Merged(int):
@@ -151,6 +154,8 @@ def park(
         return AlreadyParked(int(reply[1]))
     if status == 3:
         return TOOK_ITS_TURN
+    if status == 5:
+        return CLAIM
     return int(reply[1]) if status == 1 else 0
 
 

@@ -115,7 +115,8 @@ class Backend(Protocol):
     url: str
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
-                again: bool = False, retries: int = 0, cooldown: float = 0.0) -> Released: ...
+                again: bool = False, retries: int = 0, cooldown: float = 0.0,
+                presend: float = 0.0) -> Released: ...
 
     def renew(self, lock: Lock) -> bool: ...
 

@@ -41,6 +41,7 @@ _HAND_OFF = _KEYS + """
 -- returned as 'expired', for the caller to fail them). Appends
 -- {what, entry, record} to out and returns it.
 local handed_by = ''                                            -- RELEASE: the releasing token
+local presend = false                                           -- RELEASE: send the next one ahead
 local function hand_off(now, drop_owner, out)
   while true do
     local e = redis.call('LINDEX', LINE, 0)
@@ -68,14 +69,27 @@ local function hand_off(now, drop_owner, out)
         redis.call('HSET', WAITERS, e, kind .. 'w' .. string.sub(rec, 3))
         redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
         redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
-        return out
+      elseif state == 'n' then
+        -- its message went ahead of its turn (see presend): the key waits for that copy
+        redis.call('HSET', WAITERS, e, kind .. 'c' .. string.sub(rec, 3))
+      else
+        redis.call('HSET', WAITERS, e, kind .. 'h' .. string.sub(rec, 3))
+        if kind == 'p' then
+          redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
+          redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
+        end
+        out[#out + 1] = {'run', e, rec}
       end
-      redis.call('HSET', WAITERS, e, kind .. 'h' .. string.sub(rec, 3))
-      if kind == 'p' then
-        redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
-        redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
+      if presend then
+        -- a short hold (RELEASE sets presend): the next task in line is sent now, to wait for its
+        -- turn in a worker slot, woken there by the next release rather than sent by it
+        local n = redis.call('LINDEX', LINE, 1)
+        local nrec = n and redis.call('HGET', WAITERS, n)
+        if nrec and string.sub(nrec, 1, 2) == 'tp' then
+          redis.call('HSET', WAITERS, n, 'tn' .. string.sub(nrec, 3))
+          out[#out + 1] = {'next', n, nrec}
+        end
       end
-      out[#out + 1] = {'run', e, rec}
       return out
     end
   end
@@ -144,7 +158,9 @@ RELEASE = _HAND_OFF + """
 -- returned, serialised ('' none), ARGV[6] '1' when this is a retry of a release
 -- whose first try may have run (its reply was lost), ARGV[7] the holder's retry
 -- count (its redelivered copy, if parked, is entry 't' .. sha1 of owner, newline, retries),
--- ARGV[8] ms of cooldown ('0' none): the key stays taken that long, by nobody.
+-- ARGV[8] ms of cooldown ('0' none): the key stays taken that long, by nobody,
+-- ARGV[9] ms ('0' none): if the hold was shorter, the task second in line is sent ahead of its turn
+-- (state 'n'), to wait for it in a worker slot (lock_wait_in_slot).
 -- Returns {deleted, hand-offs...}: deleted 1 it was ours, 0 it was gone
 -- already, -1 another holds it. The key passes to the next waiter here, or,
 -- after a cooldown, through the sweeper once the cooldown has run out.
@@ -197,6 +213,11 @@ if ARGV[3] == '1' then
   end
 end
 if redis.call('EXISTS', LOCK) == 1 then return {deleted} end  -- a cooldown: the sweeper hands it on after
+local fence = held and tonumber(string.match(held, '^%S+ (%d+)') or '0') or 0
+if (ARGV[9] or '0') ~= '0' and fence > 0 then
+  local t = redis.call('TIME')
+  presend = (tonumber(t[1]) * 1000000 + tonumber(t[2]) - fence) <= tonumber(ARGV[9]) * 1000
+end
 return hand_off(now, drop, {deleted})
 """
 
@@ -228,13 +249,20 @@ PARK = _KEYS + """
 -- the message joins that waiter's merged calls (LOCK:m:<its entry>) and {4, entry, owner} is returned.
 -- ARGV[11] ms the task waits in its worker slot ('0' none): state 'b', and LOCK:b:<entry> lives that
 -- long; a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message.
--- Returns {0} when the key is free and nobody waits (take it instead),
+-- Returns {0} when the key is free and nobody waits (take it instead), {5} when the key is reserved
+-- for this entry (its copy, ARGV[8]: claim it),
 -- {2, place (0: out of line, its copy on its way)} when the entry is parked
 -- already (a task's entry id comes from its task id: a redelivery of a parked
 -- message must not park it twice), else {1, place in line}.
 if ARGV[9] == '1' and ARGV[8] ~= '1' and redis.call('ZSCORE', LOCK .. ':g', ARGV[1]) then return {3} end
 if ARGV[8] ~= '1' and redis.call('HEXISTS', WAITERS, ARGV[1]) == 1 then
   return {2, (redis.call('LPOS', LINE, ARGV[1]) or -1) + 1}
+end
+if ARGV[8] == '1' then
+  -- the entry's own copy: if the key was handed to it since it looked, it claims it (not parks again,
+  -- which would leave the key reserved for nobody who waits for it)
+  local held = redis.call('GET', LOCK)
+  if held and string.sub(held, 1, #ARGV[1] + 2) == '~' .. ARGV[1] .. ' ' then return {5} end
 end
 if redis.call('EXISTS', LOCK) == 0 and redis.call('EXISTS', LINE) == 0 then return {0} end
 local now = clock()

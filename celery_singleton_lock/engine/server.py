@@ -66,7 +66,8 @@ class LockBackend(Protocol):
                 retake: str | None = None) -> Lock | Holder | Verdict | Done: ...
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
-                again: bool = False, retries: int = 0, cooldown: float = 0.0) -> Released: ...
+                again: bool = False, retries: int = 0, cooldown: float = 0.0,
+                presend: float = 0.0) -> Released: ...
 
     def renew(self, lock: Lock) -> bool: ...
 
@@ -227,7 +228,7 @@ class LockServer(ScriptClient):
             pass  # it expires within its ttl
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
-                again: bool = False, retries: int = 0, cooldown: float = 0.0) -> Released:
+                again: bool = False, retries: int = 0, cooldown: float = 0.0, presend: float = 0.0) -> Released:
         """Delete the lock if ``lock`` still holds it, and pass the key to the next waiter: one round trip.
 
         Idempotent. On an error it raises and the handle keeps its token, so the
@@ -241,13 +242,16 @@ class LockServer(ScriptClient):
         ``retries`` (Celery's count of the holder's request) names its redelivered
         copy's entry, dropped on success wherever it waits. ``cooldown`` > 0 keeps the
         key taken, by nobody, for that many seconds: waiters get it from the sweeper
-        once it runs out (announce the key to it: :func:`line.announce`). In
+        once it runs out (announce the key to it: :func:`line.announce`). ``presend`` > 0:
+        if the lock was held no longer than that, the task second in line is sent now, ahead of
+        its turn, to wait for it in a worker slot (the hot-key fast path). In
         another process than the one that took it, nothing is done (status -2).
         """
         if lock.pid != os.getpid():
             return Released(-2)
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
-                value if remember else b"", "1" if again else "0", str(retries), str(ms(cooldown)) if cooldown else "0")
+                value if remember else b"", "1" if again else "0", str(retries), str(ms(cooldown)) if cooldown else "0",
+                str(ms(presend)) if presend else "0")
         reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args)
         lock.released = True
         handoffs = tuple(Handoff.parse(lock.key, item) for item in reply[1:])
@@ -327,7 +331,7 @@ class LockServer(ScriptClient):
                 logger.exception("lock %s: sending waiting task %s (%s) failed; %s", handoff.key,
                                  handoff.owner_id, handoff.what, later)
                 continue
-            if sent and handoff.what == "run":
+            if sent and handoff.what == "run":  # ("next" stays unconfirmed: its turn has not come)
                 try:
                     self.confirm(handoff.key, handoff.entry)
                 except LockError as exc:

@@ -1,0 +1,115 @@
+"""The hot-key fast path at the engine, against a real redis-server: a task waiting in its worker slot
+is woken by the release that hands it the key (no message), and a short hold sends the task second in
+line ahead of its turn, to wait in a slot for it (``lock_wait_in_slot``)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from celery_singleton_lock.engine import layout
+from celery_singleton_lock.engine import line as queue
+from celery_singleton_lock.engine.lock import Lock
+from celery_singleton_lock.engine.server import LockServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def server(redis_server):
+    s = LockServer.from_url(redis_server.url(2))
+    yield s
+    s.close()
+
+
+def _key() -> str:
+    return f"slot:{{{uuid.uuid4().hex}}}"
+
+
+def _state(server: LockServer, key: str, entry: str) -> str:
+    record = server.client.hget(layout.waiters(key), entry)
+    return "" if record is None else layout.Waiter.parse(record).state
+
+
+def _park(server, key, owner, block=0.0, first=False, again=False):
+    entry = queue.entry_for(owner)
+    assert queue.park(server, key, entry, kind="t", wait=30, ttl=5, owner_id=owner, message=b"m-" + owner.encode(),
+                      block=block, first=first, again=again)
+    return entry
+
+
+def test_a_release_wakes_a_slot_waiter_and_sends_nothing(server):
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0)
+    assert _state(server, key, entry) == "b"
+    released = server.release(holder)
+    assert released.status == 1 and released.handoffs == ()  # no message to send
+    assert _state(server, key, entry) == "w"
+    assert queue.wait_in_slot(server, key, entry, 1.0) == queue.WOKEN
+    got = server.acquire(key, 5, owner_id="w1", entry=entry)
+    assert isinstance(got, Lock)
+    got.release()
+
+
+def test_a_slot_waiter_that_stops_waiting_is_parked_and_later_sent(server):
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=0.05)
+    assert queue.wait_in_slot(server, key, entry, 0.05) == queue.PARKED
+    assert _state(server, key, entry) == "p"
+    released = server.release(holder)
+    assert [(h.what, h.entry) for h in released.handoffs] == [("run", entry)]
+
+
+def test_a_hand_off_after_the_slot_mark_ran_out_sends_the_message(server):
+    """The waiter's process died while it waited in its slot: its mark runs out, and the release sends
+    its message as for any parked task (nothing is lost)."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=0.01)
+    server.client.delete(layout.blocking(key, entry))  # as if it ran out
+    released = server.release(holder)
+    assert [(h.what, h.entry) for h in released.handoffs] == [("run", entry)]
+    assert queue.wait_in_slot(server, key, entry, 0.01) == queue.SENT  # a late look ends that delivery
+
+
+def test_a_short_hold_sends_the_second_in_line_ahead_and_the_next_release_wakes_it(server):
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    first, second, third = (_park(server, key, o) for o in ("w1", "w2", "w3"))
+    released = server.release(holder, presend=5.0)  # held for far less than 5 s
+    assert [(h.what, h.entry) for h in released.handoffs] == [("run", first), ("next", second)]
+    assert _state(server, key, second) == "n"
+    running = server.acquire(key, 5, owner_id="w1", entry=first)  # w1's turn arrives
+    assert isinstance(running, Lock)
+    # w2's copy, sent ahead, finds the key held: it parks again at the head and waits in its slot
+    assert _park(server, key, "w2", block=5.0, first=True, again=True)
+    assert queue.line(server, key)[:2] == ["w2", "w3"]
+    released = server.release(running, presend=5.0)
+    assert [(h.what, h.entry) for h in released.handoffs] == [("next", third)]  # w2 is woken, not sent
+    assert queue.wait_in_slot(server, key, second, 1.0) == queue.WOKEN
+
+
+def test_a_long_hold_sends_nobody_ahead(server):
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    first = _park(server, key, "w1")
+    _park(server, key, "w2")
+    released = server.release(holder, presend=0.001)
+    assert [(h.what, h.entry) for h in released.handoffs] == [("run", first)]
+
+
+def test_a_copy_sent_ahead_whose_turn_comes_before_it_arrives_gets_the_key_kept_for_it(server):
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    first, second = _park(server, key, "w1"), _park(server, key, "w2")
+    server.release(holder, presend=5.0)
+    running = server.acquire(key, 5, owner_id="w1", entry=first)
+    released = server.release(running)  # w2's copy is still on its way
+    assert released.handoffs == ()  # nothing sent twice: the key is reserved for the copy
+    assert _state(server, key, second) == "c"
+    got = server.acquire(key, 5, owner_id="w2", entry=second)
+    assert isinstance(got, Lock)
+    got.release()
