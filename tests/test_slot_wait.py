@@ -113,3 +113,20 @@ def test_a_copy_sent_ahead_whose_turn_comes_before_it_arrives_gets_the_key_kept_
     got = server.acquire(key, 5, owner_id="w2", entry=second)
     assert isinstance(got, Lock)
     got.release()
+
+
+def test_a_copy_whose_turn_came_while_it_looked_claims_instead_of_parking_again(server):
+    """A hand-off copy finds the key held, then the holder releases and hands the key to its entry before
+    the copy parks again: the park says "claim it". (Before, the copy parked again and the key stayed
+    reserved for an entry nobody was coming for, until the lock's TTL ran out: a 30 s stall.)"""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1")
+    seen = server.acquire(key, 5, owner_id="w1", entry=entry)  # its copy looks: held
+    assert not isinstance(seen, Lock)
+    server.release(holder)  # the key is handed to w1's entry meanwhile
+    assert queue.park(server, key, entry, kind="t", wait=30, ttl=5, owner_id="w1", message=b"m", first=True,
+                      again=True) == queue.CLAIM
+    got = server.acquire(key, 5, owner_id="w1", entry=entry)
+    assert isinstance(got, Lock)
+    got.release()
