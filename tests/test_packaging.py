@@ -30,7 +30,7 @@ PACKAGE = "celery_singleton_lock"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-LEFT_OUT = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.pyc", "*.egg-info", "build", "dist", "out")
+LEFT_OUT = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.pyc", "*.egg-info", "build", "dist", "out", "site")
 
 
 def run(args: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None) -> str:
@@ -88,6 +88,12 @@ def test_the_wheel_holds_the_package_and_its_metadata(dists: tuple[Path, Path, s
     assert "Requires-Dist: celery[redis]" in metadata
     assert "Provides-Extra: pytest" in metadata
     assert "License-Expression: MIT" in metadata
+    assert "License-File: LICENSE" in metadata and f"{dist_info}/licenses/LICENSE" in names
+    assert "Project-URL: Repository, https://github.com/celery-singleton-lock/celery-singleton-lock" in metadata
+    assert "Classifier: Development Status :: 3 - Alpha" in metadata
+    assert "Version: 0.2.0" in metadata
+    # the contributors' tools are a dependency group, never a published extra
+    assert "Provides-Extra: test" not in metadata and "mkdocs" not in metadata
 
 
 def test_the_sdist_holds_readme_pyproject_and_the_package(dists: tuple[Path, Path, str]) -> None:
@@ -96,7 +102,7 @@ def test_the_sdist_holds_readme_pyproject_and_the_package(dists: tuple[Path, Pat
         names = tf.getnames()
     top = names[0].split("/")[0]
     inside = {n[len(top) + 1:] for n in names if n.startswith(f"{top}/")}
-    for wanted in ("README.md", "pyproject.toml", "PKG-INFO", *package_files()):
+    for wanted in ("README.md", "LICENSE", "pyproject.toml", "PKG-INFO", *package_files()):
         assert wanted in inside, f"{wanted} is not in {sdist.name}"
     junk = [n for n in inside if n.startswith((".venv/", ".git/")) or "__pycache__" in n or n.endswith(".pyc")]
     assert not junk, junk
