@@ -306,6 +306,10 @@ class LockedTask(Task):
 
     # -- release -------------------------------------------------------------------
 
+    def apply(self, *args: Any, **kwargs: Any) -> Any:
+        """Run eagerly; a skipped duplicate ends REVOKED, as in a worker (:func:`policies.eager_skip`)."""
+        return policies.eager_skip(super().apply(*args, **kwargs))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the body, and release the lock the moment it returns or raises.
 
