@@ -3,7 +3,9 @@
 
     python3 dev.py demo    # run the inventory demo (the main job)
     python3 dev.py demo beat   # the beat example: periodic runs never overlap
-    python3 dev.py test    # ruff, mypy, lint-imports, then the whole test suite (what CI runs), 3 pytest processes
+    python3 dev.py test    # ruff, mypy, lint-imports, the docs build, then the whole test suite (what CI runs)
+    python3 dev.py docs    # build the documentation site into site/ (mkdocs --strict: any warning fails)
+    python3 dev.py docs --serve   # serve it on http://127.0.0.1:8000, rebuilt on every change
     python3 dev.py bench   # run the benchmarks (not part of CI)
 
 Set-up: a virtualenv in .venv with the package and the "dev" dependency group
@@ -98,6 +100,20 @@ def parallel(rest: list[str]) -> list[str]:
     return ["-n", "3", "--dist", "loadfile"]
 
 
+QUIET_MKDOCS = dict(os.environ, NO_MKDOCS_2_WARNING="1")  # Material's banner about its successor, on every build
+
+
+def docs(rest: list[str]) -> int:
+    """mkdocs (mkdocs.yml): build into site/ with --strict, so any warning (a broken link, a missing
+    anchor, a reference mkdocstrings cannot resolve) fails; or, with --serve, serve it."""
+    if "--serve" in rest:
+        others = [a for a in rest if a != "--serve"]
+        return subprocess.call([str(PY), "-m", "mkdocs", "serve", *others], cwd=ROOT, env=QUIET_MKDOCS)
+    say("building the documentation site into site/ (mkdocs build --strict)")
+    return subprocess.call([str(PY), "-m", "mkdocs", "build", "--strict", "--site-dir", "site", *rest], cwd=ROOT,
+                           env=QUIET_MKDOCS)
+
+
 def main() -> int:
     cmd = sys.argv[1] if len(sys.argv) > 1 else "help"
     rest = sys.argv[2:]
@@ -112,12 +128,18 @@ def main() -> int:
         code = run([str(BIN / "lint-imports")])  # the rooms' one-way doors: [tool.importlinter]
         if code:
             return code
+        code = docs([])  # a broken link or reference fails the run
+        if code:
+            return code
         return run([str(PY), "-m", "pytest", *parallel(rest), *rest])
     if cmd == "demo":
         ensure_venv()
         if rest[:1] == ["beat"]:
             return run([str(PY), "examples/beat/demo.py", *rest[1:]])
         return run([str(PY), "examples/inventory/demo.py", *rest])
+    if cmd == "docs":
+        ensure_venv()
+        return docs(rest)
     if cmd == "bench":
         # the benchmarks make their own virtualenv (benchmarks/.venv), with the peers in it
         return subprocess.call([sys.executable, "benchmarks/run.py", *rest], cwd=ROOT)
