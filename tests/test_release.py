@@ -85,3 +85,19 @@ def test_changelog_is_dated_and_has_upgrade_notes() -> None:
     upgrading = text.split("### Upgrading to 0.2", 1)[1].split("\n### ", 1)[0]
     for needed in ("**kwargs", "on_duplicate=\"retry\"", "both run it", "Drain", "one version at a time"):
         assert needed.lower() in upgrading.lower(), needed
+
+
+def test_the_docs_settings_table_names_every_setting() -> None:
+    """tools/docs_hooks.py generates the settings reference from config.SETTINGS, both spellings."""
+    spec = importlib.util.spec_from_file_location("_docs_hooks", ROOT / "tools" / "docs_hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    from celery_singleton_lock import config
+
+    table = hooks.settings_table()
+    for setting in config.SETTINGS:
+        assert f"| `{setting}` | `CELERY_{setting.upper()}` |" in table, setting
+    assert "| `singleton_lock_ttl` | `CELERY_SINGLETON_LOCK_TTL` | `lock_ttl` | `30.0` |" in table
+    page = hooks.on_page_markdown("before\n<!-- generated: settings -->\nafter")
+    assert "<!-- generated" not in page and "singleton_lock_url" in page
