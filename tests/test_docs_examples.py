@@ -125,13 +125,15 @@ def test_page_runs(page: str, fresh_redis, tmp_path: Path) -> None:
             stop(worker)
 
 
-def start_worker(command: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """``celery -A x worker ...`` as written (the venv's celery), in a process group of its own."""
+def start_worker(command: str, cwd: Path, env: dict[str, str], exact: bool = False) -> subprocess.Popen[bytes]:
+    """``celery -A x worker ...`` in a process group of its own: as written (``exact``: the first
+    ``celery`` on the environment's PATH), else this Python's celery with a node name of its own."""
     n = len(list(cwd.glob("worker*.log")))
     log = cwd / f"worker{n}.log"
     argv = command.split()
     assert argv[0] == "celery", command
-    argv = [sys.executable, "-m", "celery", *argv[1:], "--without-gossip", "--without-mingle", "-n", f"docs{n}@%h"]
+    if not exact:
+        argv = [sys.executable, "-m", "celery", *argv[1:], "--without-gossip", "--without-mingle", "-n", f"docs{n}@%h"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:

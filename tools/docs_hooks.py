@@ -9,6 +9,7 @@ without one, or a meaning for a setting the code no longer reads, fails the buil
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from celery_singleton_lock import config
@@ -77,3 +78,12 @@ def settings_table() -> str:
 
 def on_page_markdown(markdown: str, **_: Any) -> str:
     return markdown.replace("<!-- generated: settings -->", settings_table())
+
+
+SPHINX_ROLE = re.compile(r":(?:class|func|meth|attr|data|mod|exc|obj):(?=<code>)")
+"""The package's docstrings use Sphinx's roles (``:class:`X```); mkdocstrings shows the name as code
+and leaves the role's text before it, which only says what Sphinx would have linked."""
+
+
+def on_page_content(html: str, **_: Any) -> str:
+    return SPHINX_ROLE.sub("", html)
