@@ -88,6 +88,8 @@ def test_an_unknown_task_exits_2_with_close_matches(shop):
     assert "no task named 'dedcut'" in out.output and "did you mean shop.orders.deduct?" in out.output
     out = invoke(app, "list", "--task", "shop.orders.dedcut")
     assert out.exit_code == 2 and "did you mean shop.orders.deduct, " in out.output, out.output
+    out = invoke(app, "list", "--task", "stock")  # a part of a name
+    assert out.exit_code == 2 and "did you mean shop.orders.restock?" in out.output, out.output
     out = invoke(app, "list", "--task", "zzz")
     assert out.exit_code == 2, out.output
     assert "its LockedTasks: shop.billing.charge, shop.orders.deduct, shop.orders.restock" in out.output

@@ -129,6 +129,7 @@ def resolve_task(target: Target, name: str) -> str:
         click.echo(f"(task {name!r} is {full})", err=True)
         return full
     close = list(by_last.get(name, []))
+    close += [full for last, fulls in by_last.items() if name in last for full in fulls]  # "deduct": deduct_locked
     close += difflib.get_close_matches(name, list(target.tasks), n=5, cutoff=0.6)
     for last in difflib.get_close_matches(name, list(by_last), n=5, cutoff=0.6):
         close += by_last[last]
