@@ -5,7 +5,7 @@
     python3 dev.py demo beat   # the beat example: periodic runs never overlap
     python3 dev.py test    # ruff, mypy, lint-imports, the docs build, then the whole test suite (what CI runs)
     python3 dev.py docs    # build the documentation site into site/ (mkdocs --strict: any warning fails)
-    python3 dev.py docs --serve   # serve it on http://127.0.0.1:8000, rebuilt on every change
+    python3 dev.py docs --serve   # serve it locally (mkdocs prints the address), rebuilt on every change
     python3 dev.py bench   # run the benchmarks (not part of CI)
 
 Set-up: a virtualenv in .venv with the package and the "dev" dependency group
