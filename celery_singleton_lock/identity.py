@@ -27,11 +27,27 @@ from celery.backends.base import DisabledBackend
 from celery.states import READY_STATES, STARTED, SUCCESS
 
 from . import handoff
-from .decide import Found
+from .decide import Delivery, Found
 from .engine.lock import Done, Holder, Lock, Verdict
-from .headers import ENTRY
+from .headers import ENTRY, RECOVERED
 
 logger = logging.getLogger("celery_singleton_lock")
+
+
+def delivery(task: Any, request: Any, policy: str, line: bool, redelivered: bool, resent: bool,
+             entry: str | None) -> Delivery:
+    """Who is asking, for the decision table (looked up once, at the delivery's first refusal)."""
+    headers = request.headers or {}
+    return Delivery(
+        policy=policy,
+        eager=bool(request.is_eager),
+        redelivered=redelivered,
+        never_ran=not resent and never_ran(task, request, redelivered and entry is None),
+        handoff=entry is not None and not headers.get(RECOVERED),
+        recovered=bool(headers.get(RECOVERED)),
+        retry=bool(request.retries),
+        line=line,
+    )
 
 
 def found(task: Any, request: Any, outcome: Lock | Holder | Verdict | Done, recovered: bool) -> Found:

@@ -1,4 +1,4 @@
-"""Prometheus metrics, fed by our signals (optional: ``pip install celery-singleton-lock[prometheus]``).
+"""Prometheus metrics, fed by our signals (optional: ``pip install "celery-singleton-lock[prometheus]"``).
 
     from celery_singleton_lock import metrics
 

@@ -29,7 +29,7 @@ from .config import OPTIONS, SETTINGS
 
 logger = logging.getLogger("celery_singleton_lock")
 
-MIGRATION = "see 'Migrating from celery-once and celery-singleton' in docs/migration.md"
+MIGRATION = "see the migration guide: https://celery-singleton-lock.github.io/celery-singleton-lock/migration/"
 
 PEER_OPTIONS: dict[str, str] = {
     "once": "celery-once's option: on_duplicate='skip' is its graceful mode, on_duplicate='raise' the default "

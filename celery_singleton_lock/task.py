@@ -41,7 +41,7 @@ from .engine import reentry
 from .engine.lock import Done, Holder, Lock
 from .engine.server import LockBackend, LockServer
 from .exceptions import LockBackendUnavailable, LockError, LockWaitTimeout
-from .headers import ENTRY, EXPIRED, MARKED, RECOVERED, REDELIVERED, TOKEN
+from .headers import ENTRY, EXPIRED, MARKED, REDELIVERED, TOKEN
 from .headers import PREFIX as HEADER_PREFIX
 from .signals import lock_acquired, lock_lost
 from .watchdog.process import get_watchdog
@@ -226,7 +226,8 @@ class LockedTask(Task):
             if type(outcome) is Lock:  # the common case, first: no table to consult
                 return self._run_with(outcome, request, settings)
             if who is None:
-                who = self._delivery(request, settings, server, redelivered, resent, entry)
+                who = identity.delivery(self, request, settings.on_duplicate, server.supports_line, redelivered,
+                                        resent, entry)
             if isinstance(outcome, Holder):
                 who = replace(who, holder_on_stack=self._on_my_stack(outcome.owner_id))
             action = decide(identity.found(self, request, outcome, who.recovered), who)
@@ -260,21 +261,6 @@ class LockedTask(Task):
                 entry = None  # park() ends the delivery once parked; back here, the key was freed: try again
                 continue
             policies.refuse(self, action, request, settings, key, outcome)
-
-    def _delivery(self, request: Any, settings: config.LockSettings, server: Any, redelivered: bool,
-                  resent: bool, entry: str | None) -> Delivery:
-        """What this delivery is, for the decision table (looked up once, at the first refusal)."""
-        headers = request.headers or {}
-        return Delivery(
-            policy=settings.on_duplicate,
-            eager=bool(request.is_eager),
-            redelivered=redelivered,
-            never_ran=not resent and identity.never_ran(self, request, redelivered and entry is None),
-            handoff=entry is not None and not headers.get(RECOVERED),
-            recovered=bool(headers.get(RECOVERED)),
-            retry=bool(request.retries),
-            line=server.supports_line,
-        )
 
     def _replay(self, request: Any, outcome: Done) -> None:
         """It ran to its end and died before Celery stored the result: store its recorded value and
@@ -316,6 +302,10 @@ class LockedTask(Task):
         raise LockError(f"lock {key}: no execution up this call stack holds it")  # decide() said one did
 
     # -- release -------------------------------------------------------------------
+
+    def apply(self, *args: Any, **kwargs: Any) -> Any:
+        """Run eagerly; a skipped duplicate ends REVOKED, as in a worker (:func:`policies.eager_skip`)."""
+        return policies.eager_skip(super().apply(*args, **kwargs))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the body, and release the lock the moment it returns or raises.

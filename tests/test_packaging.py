@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,7 +31,7 @@ PACKAGE = "celery_singleton_lock"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-LEFT_OUT = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.pyc", "*.egg-info", "build", "dist", "out")
+LEFT_OUT = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.pyc", "*.egg-info", "build", "dist", "out", "site")
 
 
 def run(args: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None) -> str:
@@ -88,6 +89,12 @@ def test_the_wheel_holds_the_package_and_its_metadata(dists: tuple[Path, Path, s
     assert "Requires-Dist: celery[redis]" in metadata
     assert "Provides-Extra: pytest" in metadata
     assert "License-Expression: MIT" in metadata
+    assert "License-File: LICENSE" in metadata and f"{dist_info}/licenses/LICENSE" in names
+    assert "Project-URL: Repository, https://github.com/celery-singleton-lock/celery-singleton-lock" in metadata
+    assert "Classifier: Development Status :: 3 - Alpha" in metadata
+    assert "Version: 0.2.0" in metadata
+    # the contributors' tools are a dependency group, never a published extra
+    assert "Provides-Extra: test" not in metadata and "mkdocs" not in metadata
 
 
 def test_the_sdist_holds_readme_pyproject_and_the_package(dists: tuple[Path, Path, str]) -> None:
@@ -96,7 +103,7 @@ def test_the_sdist_holds_readme_pyproject_and_the_package(dists: tuple[Path, Pat
         names = tf.getnames()
     top = names[0].split("/")[0]
     inside = {n[len(top) + 1:] for n in names if n.startswith(f"{top}/")}
-    for wanted in ("README.md", "pyproject.toml", "PKG-INFO", *package_files()):
+    for wanted in ("README.md", "LICENSE", "pyproject.toml", "PKG-INFO", *package_files()):
         assert wanted in inside, f"{wanted} is not in {sdist.name}"
     junk = [n for n in inside if n.startswith((".venv/", ".git/")) or "__pycache__" in n or n.endswith(".pyc")]
     assert not junk, junk
@@ -172,3 +179,48 @@ def test_the_installed_plugin_works_in_a_pytest_session(clean_venv: Path, tmp_pa
         cwd=tmp_path, env=outside_env(), timeout=120,
     )
     assert "1 passed" in out, out
+
+
+@pytest.fixture(scope="module")
+def wheel_only_venv(dists: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A new virtualenv holding only the wheel and what it depends on (celery, redis: from pip's cache)."""
+    wheel, _, _ = dists
+    home = tmp_path_factory.mktemp("wheel-only")
+    venv.EnvBuilder(with_pip=True, clear=True).create(home / "env")
+    python = home / "env" / "bin" / "python"
+    run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)], cwd=home)
+    return python
+
+
+def test_the_readme_quick_start_runs_from_the_wheel_as_written(wheel_only_venv: Path, fresh_redis,
+                                                                tmp_path: Path) -> None:
+    """The README's quick start, pasted into a new virtualenv that holds only the wheel: tasks.py, the
+    worker command as written (the venv's own ``celery`` first on PATH), the two calls, with what the
+    README says they print; only redis://localhost:6379 is this test's private redis-server."""
+    from test_docs_examples import checked, localise, start_worker, stop
+
+    readme = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    tasks, calls = re.findall(r"```python\n(.*?)```", readme, re.S)
+    command = re.search(r"```sh\n(celery -A tasks worker[^\n]*)\n```", readme)
+    assert command, "the README's worker command"
+    base = fresh_redis.url(0).rsplit("/", 1)[0]
+    (tmp_path / "tasks.py").write_text(localise(tasks, base))
+    (tmp_path / "calls.py").write_text(checked(localise(calls, base)))
+    env = outside_env()
+    env["PATH"] = f"{wheel_only_venv.parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(tmp_path)  # "from the directory holding tasks.py"
+    worker = start_worker(command.group(1), tmp_path, env, exact=True)
+    try:
+        out = run([str(wheel_only_venv), "calls.py"], cwd=tmp_path, env=env, timeout=120)
+    finally:
+        stop(worker)
+    assert "charged order 42: 10" in out and "REVOKED" in out, out
+    log = (tmp_path / "worker0.log").read_text()
+    celery = shutil.which("celery", path=env["PATH"])
+    assert celery and Path(celery).parent == wheel_only_venv.parent, celery  # the venv's own celery ran
+    where = run([str(wheel_only_venv), "-c", "import celery_singleton_lock as m; print(m.__file__)"], cwd=tmp_path,
+                env=env)
+    assert "site-packages" in where and str(ROOT) not in where, where
+    assert "is a duplicate: lock singleton_lock:tasks.charge:" in log, log[-3000:]
+    listed = run([str(wheel_only_venv), "-m", "pip", "list", "--format=freeze"], cwd=tmp_path, env=env)
+    assert "celery-singleton-lock==0.2.0" in listed and "pytest" not in listed.lower(), listed

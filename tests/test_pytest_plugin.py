@@ -3,7 +3,7 @@
 Each sample project below is written by pytester and run in a pytest subprocess,
 where the plugin is loaded through its ``pytest11`` entry point only (nothing
 here registers it). The main sample is the complete example of
-docs/pytest_plugin.md, taken from that file, so the documented example is what
+docs/how-to/testing.md, taken from that file, so the documented example is what
 runs; beside it, a module with a test that MUST fail (the helper catches a task
 that was not a duplicate) and the helper's other failure messages, and a module
 about the server: private, emptied per test, stopped by PID at the end.
@@ -28,7 +28,7 @@ from celery_singleton_lock.testing.servers import wait_until
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "pytest_plugin.md"
+DOC = ROOT / "docs" / "how-to" / "testing.md"
 
 # the sample run: -p no:celery leaves out pytest-celery's plugin, so the documented
 # `pytest_plugins = ("celery.contrib.pytest",)` is what brings celery's fixtures, as for a

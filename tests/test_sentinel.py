@@ -7,7 +7,7 @@ client; the whole task contract passes on it with a real worker; after a forced 
 (``SENTINEL FAILOVER``) the thread-held hot-path connection and the watchdog's twin both reach the
 new master (READONLY from the demoted one, NOSCRIPT on the new one) and keep renewing; fencing
 tokens keep growing. And it measures overlapping executions across a failover with and without
-``WAIT`` (docs/topologies.md reports the figures).
+``WAIT`` (docs/operations/topologies.md reports the figures).
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def failover_workload(sentinel: SentinelDeployment, min_replicas: int, listen: b
 
 def test_overlaps_across_a_failover_with_and_without_wait(sentinel, record_property):
     """One failover per run: ours (moves when a switch is announced) and ours with WAIT. When
-    CSL_FAILOVER_FIGURES names a file (the figures of docs/topologies.md), first also redis-py's own
+    CSL_FAILOVER_FIGURES names a file (the figures of docs/operations/topologies.md), first also redis-py's own
     following (a connection moves on READONLY, once Sentinel demoted the old master): it asserts
     nothing and costs ~20 s, so the everyday suite leaves it out."""
     out = os.environ.get("CSL_FAILOVER_FIGURES")
@@ -263,7 +263,7 @@ def test_overlaps_across_a_failover_with_and_without_wait(sentinel, record_prope
 @pytest.mark.parametrize("min_replicas", [0, 1])
 def test_an_unplanned_failover_sigkill_of_the_master_with_two_replicas(min_replicas, record_property):
     """SIGKILL of the master, 2 replicas, 3 Sentinels (down after 1 s): the threads' workload of the
-    test above, and figures for docs/topologies.md. With min_replicas=1 an acquire counts only once a
+    test above, and figures for docs/operations/topologies.md. With min_replicas=1 an acquire counts only once a
     replica has it, and Sentinel promotes the replica with the most data, so no granted lock is lost
     and no two bodies of a key overlap. Without, an acquire in the last instant before the kill can
     be lost with the master (the figures say how often that was seen)."""

@@ -300,12 +300,54 @@ def test_prefork_skip_and_raise(prefork, redis_server, policy):
 # -- eager runs meet a holder too ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("store", [False, True])
+def test_eager_skip_ends_as_a_worker_skip(app, redis_server, store):
+    """The same end state as test_skip_is_revoked_at_once_and_never_runs in a worker: REVOKED,
+    get() raises TaskRevokedError naming the key and the holder; stored as REVOKED where eager
+    results are stored (task_store_eager_result); an eager chain stops at the skipped step."""
+    app.conf.task_store_eager_result = store
+    ran = []
+
+    @locked(app, lock_key=["k"])
+    def eager_skip(self, k, tag="first"):
+        ran.append((k, tag))
+        return k
+
+    @locked(app, name=f"after-{uuid.uuid4().hex[:6]}")
+    def after(self, value):
+        ran.append(("after", value))
+        return value
+
+    k = f"eager-skip-{uuid.uuid4().hex[:8]}"
+    key = eager_skip.lock_key_for((k,), {})
+    assert eager_skip.apply((k,)).get() == k and ran == [(k, "first")], "the body runs while the key is free"
+    locks = redis_server.client(2)
+    locks.set(key, "e" * 32 + ' 1 {"owner":"the-holder"}', px=60_000)
+    try:
+        result = eager_skip.apply((k, "dup"))
+        assert result.state == "REVOKED"
+        with pytest.raises(TaskRevokedError) as info:
+            result.get()
+        assert key in str(info.value) and "the-holder" in str(info.value), str(info.value)
+        stored = app.AsyncResult(result.id, backend=app.backend).state
+        assert stored == ("REVOKED" if store else "PENDING")
+        app.conf.task_always_eager = True
+        try:
+            with pytest.raises(TaskRevokedError):
+                (eager_skip.s(k, "chained") | after.s()).apply_async()
+        finally:
+            app.conf.task_always_eager = False
+        assert ran == [(k, "first")], "neither the duplicate nor the chain after it ran"
+    finally:
+        locks.delete(key)
+
+
 @pytest.mark.parametrize("policy", ["skip", "raise", "retry", "backoff"])
 def test_eager_duplicate_policies(app, redis_server, policy):
-    """apply() locks as well: against a held key, skip ends IGNORED (nothing to revoke in eager
-    mode), raise fails with DuplicateTask, retry waits in line in place and fails with
-    LockWaitTimeout once lock_max_wait is spent, backoff waits in place and fails with
-    LockContended once lock_max_retries is spent."""
+    """apply() locks as well: against a held key, skip ends REVOKED (as in a worker), raise fails
+    with DuplicateTask, retry waits in line in place and fails with LockWaitTimeout once
+    lock_max_wait is spent, backoff waits in place and fails with LockContended once
+    lock_max_retries is spent."""
     ran = []
 
     @locked(app, lock_key=["k"], on_duplicate=policy, lock_max_retries=2, lock_max_wait=0.5)
@@ -322,7 +364,7 @@ def test_eager_duplicate_policies(app, redis_server, policy):
             result = eager_dup.apply((k,))
         assert ran == []
         if policy == "skip":
-            assert result.state == "IGNORED"
+            assert result.state == "REVOKED" and isinstance(result.result, TaskRevokedError)
         elif policy == "raise":
             assert result.state == "FAILURE" and isinstance(result.result, DuplicateTask)
             assert (result.result.key, result.result.holder_task_id) == (key, "the-holder")

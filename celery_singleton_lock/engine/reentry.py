@@ -1,6 +1,6 @@
 """Reentrancy: the locks this thread holds, so the same owner taking the same key again nests.
 
-redlock-py's ``ReentrantRedLock`` (see docs/beat_and_reentrancy.md) counts how
+redlock-py's ``ReentrantRedLock`` (see docs/how-to/beat.md) counts how
 often one lock object was acquired and releases at the last release. We keep
 that idea, with the owner made explicit and scoped to one thread:
 

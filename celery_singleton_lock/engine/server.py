@@ -99,7 +99,7 @@ class LockServer(ScriptClient):
     many replicas acknowledged it (Redis ``WAIT``, sent with the script in the
     same round trip, waiting up to ``replica_timeout`` seconds): a lock a
     failover could lose is given back and :class:`LockBackendUnavailable`
-    raised. See docs/topologies.md. Other topologies (Sentinel, Cluster) are
+    raised. See docs/operations/topologies.md. Other topologies (Sentinel, Cluster) are
     subclasses in :mod:`celery_singleton_lock.topologies.servers`.
     """
 

@@ -8,6 +8,7 @@ which imports cli_line.py to register it (the ``celery.commands`` entry point is
 
 from __future__ import annotations
 
+import difflib
 import getpass
 import logging
 import os
@@ -76,6 +77,12 @@ class Target:
 
 def open_target(ctx: click.Context) -> Target:
     """The app's lock Redis, prefixes and LockedTasks (its task modules imported, as a worker does)."""
+    root = ctx.find_root()
+    if "app" in root.params and root.params["app"] is None and not root.params.get("config"):
+        # Celery's default app has no broker, no tasks: every later error would mislead
+        rest = ctx.command_path[len(root.command_path):].strip()  # "locks list", however celery was started
+        fail(f"no app given: pass the one your workers run, as in `celery -A proj {rest}` (proj: the module or "
+             "package holding your Celery app), or set CELERY_APP=proj")
     app = ctx.obj.app
     try:
         app.loader.import_default_modules()
@@ -105,6 +112,34 @@ def open_target(ctx: click.Context) -> Target:
     nodes, majority = nodes_of(server)
     return Target(app, server, server.url, tuple(sorted(prefixes)), tasks, nodes, majority)
 
+
+def resolve_task(target: Target, name: str) -> str:
+    """The LockedTask ``name`` means: its full name, or the last part of exactly one task's name
+    (``deduct`` for ``proj.tasks.deduct``). Else exit 2 naming the close matches, so a typo never
+    reads as "no locks held"."""
+    if name in target.tasks:
+        return name
+    if name in target.app.tasks:
+        fail(f"task {name!r} is not a LockedTask: it takes no lock")
+    by_last: dict[str, list[str]] = {}
+    for known in target.tasks:
+        by_last.setdefault(known.rsplit(".", 1)[-1], []).append(known)
+    if len(by_last.get(name, ())) == 1:
+        full: str = by_last[name][0]
+        click.echo(f"(task {name!r} is {full})", err=True)
+        return full
+    close = list(by_last.get(name, []))
+    close += [full for last, fulls in by_last.items() if name in last for full in fulls]  # "deduct": deduct_locked
+    close += difflib.get_close_matches(name, list(target.tasks), n=5, cutoff=0.6)
+    for last in difflib.get_close_matches(name, list(by_last), n=5, cutoff=0.6):
+        close += by_last[last]
+    close = list(dict.fromkeys(close))
+    where = f"no task named {name!r} in app {target.app.main!r}"
+    if close:
+        fail(f"{where}: did you mean {', '.join(close)}?")
+    names = list(target.tasks)
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    fail(f"{where} (its LockedTasks: {shown or 'none'})")
 
 
 @click.group(name="locks")

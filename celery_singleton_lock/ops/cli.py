@@ -8,13 +8,16 @@ Redis result backend or broker, as the workers do) and the prefixes (the app's
     celery -A proj locks list [--task NAME] [--json]
     celery -A proj locks show KEY [--json]
     celery -A proj locks key TASK_NAME [--args JSON] [--kwargs JSON] [--json]
-    celery -A proj locks release KEY [--yes]
+    celery -A proj locks release KEY [--yes]                (cli_release.py)
+    celery -A proj locks release --task NAME --all [--yes]  (cli_release.py)
     celery -A proj locks line KEY [--json]           (cli_line.py)
     celery -A proj locks drop KEY TASK_ID [--yes]    (cli_line.py)
 
 ``list`` walks the keyspace with SCAN (never KEYS), a batch at a time, and
 reads each batch in one pipelined round trip, so it never blocks Redis however
-many keys it holds. Exit status: 0 done (``show``: the lock is held;
+many keys it holds. ``--task NAME`` takes a LockedTask's full name or its last part (``deduct``
+for ``proj.tasks.deduct``, when only one task ends so); an unknown name exits 2
+and names the close matches. Exit status: 0 done (``show``: the lock is held;
 ``release``: a lock was released), 1 no such lock (or the release was not
 confirmed), 2 a bad key, task or argument, or a lock Redis that is
 misconfigured or unreachable, with a one-line error.
@@ -30,15 +33,11 @@ from typing import Any
 
 import click
 
-from .. import handoff
-from ..engine import layout, line_ops
-from ..engine.server import LockServer
-from ..exceptions import LockError, LockKeyError
-from ..task import LockedTask
-from ..topologies.quorum import QuorumLockServer
-from .base import Target, audit, fail, locks, open_target, who_am_i
+from ..engine import layout
+from ..exceptions import LockKeyError
+from .base import Target, fail, locks, open_target, resolve_task
 from .nodes import node_of_key
-from .reading import SCAN_COUNT, read_batch, read_locks, read_one, scan
+from .reading import SCAN_COUNT, read_locks, read_one, scan
 from .survey import (
     KINDS,
     STATES,
@@ -64,6 +63,7 @@ __all__ = ["locks", "duration", "glob_escape", "parse_key"]
 def list_locks(ctx: click.Context, task_name: str | None, as_json: bool, count: int) -> None:
     """One line per held lock: key, task, holder, host, pid, held for, expires in, fencing token, waiters."""
     target = open_target(ctx)
+    task_name = resolve_task(target, task_name) if task_name else None
     rows: list[dict[str, Any]] = []
     for node, batch in scan(target, task_name, count):
         rows.extend(read_locks(target, batch, node.client))
@@ -170,12 +170,8 @@ def key_of(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
     The arguments are JSON, as the message carries them: "why is my task skipped?"
     """
     target = open_target(ctx)
-    task = target.app.tasks.get(task_name)
-    if task is None:
-        known = ", ".join(target.tasks) or "none"
-        fail(f"no task named {task_name!r} in app {target.app.main!r} (its LockedTasks: {known})")
-    if not isinstance(task, LockedTask):
-        fail(f"task {task_name!r} is not a LockedTask: it takes no lock")
+    task_name = resolve_task(target, task_name)
+    task = target.tasks[task_name]
     args = _json_arg("--args", args_json, list)
     kwargs = _json_arg("--kwargs", kwargs_json, dict)
     try:
@@ -200,100 +196,4 @@ def _json_arg(option: str, text: str, kind: type) -> Any:
     return value
 
 
-@locks.command(name="release")
-@click.argument("key")
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.pass_context
-def release(ctx: click.Context, key: str, yes: bool) -> None:
-    """Force-release lock KEY, whoever holds it, and hand the key to the next waiter in its line.
-
-    The holder is not stopped: it learns that its lock is gone at its next
-    renewal (a third of its ttl at most: .lost, lock_lost, .ensure() raising).
-    Exit status 0 released, 1 no such lock (or not confirmed).
-    """
-    target = open_target(ctx)
-    task = target.task_of(key)
-    if isinstance(target.server, QuorumLockServer):
-        _release_on_quorum(ctx, target, target.server, key, task, yes)
-        return
-    now_us, found = read_batch(target, [(key, task)], node_of_key(target.server, key).client)
-    if not found:
-        click.echo(f"no lock {key}: nothing released")
-        ctx.exit(1)
-    _, _, shown, pttl, waiters = found[0]
-    row = lock_row(key, task, shown, pttl, waiters, now_us)
-    expected = ""
-    if not yes:
-        confirm_release(ctx, key, row)
-        # the holder shown, not whoever may have taken the key since: its token (or reservation's entry)
-        expected = shown.decode("utf-8", "replace").split(" ", 1)[0] + " "
-    for task_obj in target.tasks.values():  # waiting copies of these tasks are published from here
-        handoff.register(task_obj)
-    assert isinstance(target.server, LockServer)  # a quorum was released above, on every member
-    target.server.send_handoff = handoff.SEND
-    try:
-        done = line_ops.force_release(target.server, key, expected)
-    except LockError as exc:
-        fail(str(exc))
-    status, value, handoffs = done.status, done.value, done.handoffs
-    if status == -1:
-        now = read_one(target, key, task)
-        click.echo(f"lock {key} changed hands since it was shown ({describe(now) if now else 'now free'}): "
-                   "nothing released")
-        ctx.exit(1)
-    passed = "".join(
-        f"; the key was handed to waiting {KINDS.get(h.kind, h.kind)} {h.owner_id}" if h.what == "run"
-        else f"; waiting {KINDS.get(h.kind, h.kind)} {h.owner_id} had waited too long (it fails)"
-        for h in handoffs
-    )
-    if status == 0:
-        click.echo(f"no lock {key}: nothing released{passed}")
-        ctx.exit(1)
-    was = lock_row(key, task, value, -2, waiters, now_us)
-    if was["reserved"]:
-        holder = f"reserved for waiting task {was['task_id']}"
-    elif was["cooldown"]:
-        holder = f"cooling down after task {was['task_id']}"
-    else:
-        holder = (f"held by task {was['task_id']} on host {was['host']} (pid {was['pid']}) for "
-                  f"{duration(was['held_ms'])}, fencing token {was['fencing_token']}")
-    line = f"lock {key} force-released by {who_am_i()}: it was {holder}{passed}"
-    audit(line)
-    click.echo(line)
-
-
-def confirm_release(ctx: click.Context, key: str, row: dict[str, Any]) -> None:
-    """Show the lock and ask; exit 1 (not released) unless the operator says yes."""
-    click.echo(f"lock {key}: {describe(row)}")
-    if not click.confirm("Force-release it? Its holder keeps running, without the lock", default=False):
-        click.echo("not released")
-        ctx.exit(1)
-
-
-def _release_on_quorum(ctx: click.Context, target: Target, server: QuorumLockServer, key: str, task: str,
-                       yes: bool) -> None:
-    """``release`` on a quorum: the key deleted on every member that has it, whatever the majority says."""
-    row = read_one(target, key, task)
-    if row is None:
-        click.echo(f"no lock {key} on any member: nothing released")
-        ctx.exit(1)
-    expected = ""
-    if not yes:
-        confirm_release(ctx, key, row)
-        tokens = [t for t in row["members"].values() if t and not t.startswith("unreachable")]
-        expected = max(set(tokens), key=tokens.count) + " "  # the holder shown (see verdict)
-    try:
-        status, _value, on = server.force_release(key, expected)
-    except LockError as exc:
-        fail(str(exc))
-    if status != 1:
-        click.echo(f"lock {key} {'changed hands since it was shown' if status == -1 else 'is gone'}: nothing released")
-        ctx.exit(1)
-    line = (f"lock {key} force-released on {on} of {len(server.members)} members by {who_am_i()}: it was "
-            f"{describe(row)}")
-    audit(line)
-    click.echo(line)
-
-
-
-from . import cli_line  # noqa: E402,F401 - registers "line" and "drop" on the group
+from . import cli_line, cli_release  # noqa: E402,F401 - register "line", "drop" and "release" on the group

@@ -7,7 +7,7 @@ block ends. Inside, ``lock.ensure()`` and ``lock.fencing_token`` work as in a ta
 
 With an ``owner_id`` it is reentrant within one thread: the same owner taking
 the same key again nests (``lock.depth``) instead of waiting for itself; see
-:mod:`celery_singleton_lock.engine.reentry` and docs/beat_and_reentrancy.md.
+:mod:`celery_singleton_lock.engine.reentry` and docs/how-to/beat.md.
 """
 
 from __future__ import annotations

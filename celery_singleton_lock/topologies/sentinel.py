@@ -5,7 +5,7 @@ redis-py's ``Sentinel.master_for`` client, whose connections ask the Sentinels f
 master each time they (re)connect, plus a per-process listener of Sentinel's
 ``+switch-master`` that moves every held connection to the new master at once (redis-py
 alone moves only on a READONLY reply, which leaves the old master granting locks for
-seconds). See docs/topologies.md for what holds across a failover.
+seconds). See docs/operations/topologies.md for what holds across a failover.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ else:
 :func:`from_settings` builds the right one for a URL; ``config.server_for``
 calls it (one per URL, options and process), and so can benchmarks and plain
 code. Optional ``min_replicas`` (Redis ``WAIT`` in the same round trip) works
-on every kind; see docs/topologies.md for what it buys and costs.
+on every kind; see docs/operations/topologies.md for what it buys and costs.
 """
 
 from __future__ import annotations
