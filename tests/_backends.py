@@ -9,6 +9,7 @@ the Redis client itself, or :class:`EtcdStore`, which answers the same few calls
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 from typing import Any
 
 from celery_singleton_lock.engine import layout
@@ -61,6 +62,13 @@ class EtcdStore:
 
     def close(self) -> None:
         self.server.close()
+
+
+@dataclass
+class LockBackendUnderTest:
+    name: str
+    url: str
+    store: Any
 
 
 def lock_store(backend: str, redis_server: Any, etcd_url: str | None) -> tuple[str, Any]:

@@ -16,6 +16,8 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+from _backends import BACKENDS, LockBackendUnderTest, backend_of, lock_store
+
 from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, find_redis_server
 
@@ -61,6 +63,15 @@ def etcd_server() -> Iterator[EtcdCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(params=BACKENDS)
+def lock_backend(request, redis_server: RedisServer) -> Iterator[LockBackendUnderTest]:
+    """The lock backend a contract test runs on (tests/_backends.py): its name, URL and store."""
+    name, etcd_url = backend_of(request)
+    url, store = lock_store(name, redis_server, etcd_url)
+    yield LockBackendUnderTest(name, url, store)
+    store.close()
 
 
 @pytest.fixture

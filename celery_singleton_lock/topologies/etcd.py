@@ -29,51 +29,20 @@ import copy
 import json
 import os
 import secrets
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..engine import layout, wire
-from ..engine.addresses import redact_url
 from ..engine.lock import Done, Holder, Lock, Released, Verdict, check_ttl, slot_safe
 from ..engine.server import TOKEN_BYTES, HandoffSender
 from ..exceptions import LockBackendUnavailable, LockError
-from .etcd_session import DoneLeases, LeaseGone, Session, Transport, b64, lease_ttl, unb64
+from .etcd_session import DoneLeases, LeaseGone, Session, Sessions, Transport, b64, lease_ttl, parse_etcd_url, unb64
 
-ETCD_SCHEMES = ("etcd", "etcds")
-DEFAULT_TIMEOUT = 5.0
-
-
-def parse_etcd_url(url: str) -> dict[str, Any]:
-    """``etcd[s]://[user:password@]h1:p1[,h2:p2...][?timeout=s&ca_cert=..&cert_cert=..&cert_key=..]`` as
-    Transport's arguments; a ValueError naming the bad part (the password never shown)."""
-    shown = redact_url(url)
-    parts = urlsplit(url)
-    if parts.scheme not in ETCD_SCHEMES:
-        raise ValueError(f"not an etcd URL (etcd:// or etcds://): {shown}")
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    endpoints = []
-    for item in hosts.split(","):
-        host, sep, port = item.strip().rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"etcd URL {shown}: {item.strip() or '(empty)'!r} is not host:port")
-        endpoints.append((host.strip("[]"), int(port)))
-    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    unknown = set(query) - {"timeout", "ca_cert", "cert_cert", "cert_key"}
-    if unknown:
-        raise ValueError(f"etcd URL {shown}: unknown option(s) {', '.join(sorted(unknown))}")
-    try:
-        timeout = float(query.get("timeout", DEFAULT_TIMEOUT))
-    except ValueError:
-        raise ValueError(f"etcd URL {shown}: timeout={query['timeout']!r} is not a number of seconds") from None
-    user, _, password = userinfo.partition(":")
-    return {"endpoints": endpoints, "url": shown, "timeout": check_ttl(timeout, "etcd timeout"),
-            "protocol": "https" if parts.scheme == "etcds" else "http", "ca_cert": query.get("ca_cert"),
-            "cert_cert": query.get("cert_cert"), "cert_key": query.get("cert_key"),
-            "user": unquote(user) or None, "password": unquote(password) or None}
+VERIFY_UP_TO = 128
+"""A renewal round of at most this many locks also reads their keys (one txn: etcd's default limit of
+operations per txn); a larger round only keeps the lease alive (see renew_many)."""
 
 
 def _value(token: str, lease_seconds: float, owner_id: str | None) -> str:
@@ -118,7 +87,7 @@ class EtcdLockServer:
         self.replica_timeout = 0.0
         self.client = EtcdRecords(self)
         """Plain reads and writes that take no lock (beat's run record)."""
-        self._registry = _Sessions()  # shared with the twins
+        self._registry = Sessions()  # shared with the twins
         self._done_leases = DoneLeases()
         self._twins: dict[float, EtcdLockServer] = {}
 
@@ -266,15 +235,14 @@ class EtcdLockServer:
     def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]:
         """ONE keep-alive per session, however many of its locks are due (none when another round
         confirmed it within the last quarter of its TTL). Every lock on a live lease is confirmed
-        as of the keep-alive's send time; on a lease found gone, every lock on it is lost."""
+        as of the keep-alive's send time; on a lease found gone, every lock on it is lost. A round of
+        at most VERIFY_UP_TO locks also reads their keys in one txn, so a lock deleted from outside
+        (an operator's ``celery locks release``) is found lost at once, as on Redis."""
         by_session: dict[int, tuple[Session, bool | LockError]] = {}
         out: list[bool | LockError] = []
         for lock in locks:
-            if lock.pid != os.getpid():
-                out.append(False)
-                continue
             session = self.session(lock.ttl)
-            if lock not in session.locks:  # put on a lease that is gone
+            if lock.pid != os.getpid() or lock not in session.locks:  # a parent's, or on a lease that is gone
                 out.append(False)
                 continue
             state = by_session.get(id(session))
@@ -285,7 +253,25 @@ class EtcdLockServer:
                 lock.confirmed_at = max(lock.confirmed_at, session.confirmed_at)
                 lock.last_error = None
             out.append(result)
+        alive = [i for i, result in enumerate(out) if result is True]
+        if 0 < len(alive) <= VERIFY_UP_TO:
+            for i, found in zip(alive, self._still_ours([locks[i] for i in alive]), strict=True):
+                out[i] = found
         return out
+
+    def _still_ours(self, locks: Sequence[Lock]) -> list[bool | LockError]:
+        """Whether each lock's key is still its incarnation (one txn of reads)."""
+        reads = [{"request_range": {"key": b64(layout.etcd_lock(lock.key)), "keys_only": True}} for lock in locks]
+        try:
+            reply = self.transport.txn([], reads, [], locks[0].key)
+        except LockError as exc:
+            return [exc] * len(locks)
+        responses = reply.get("responses") or []
+        found: list[bool | LockError] = []
+        for lock, response in zip(locks, responses, strict=True):
+            kvs = _kvs(response)
+            found.append(bool(kvs) and int(kvs[0].get("create_revision", 0)) == lock.fencing_token)
+        return found
 
     def _keep(self, session: Session) -> bool | LockError:
         with session.guard:
@@ -325,28 +311,6 @@ class EtcdLockServer:
         reply = self.transport.txn([_compare_create(lock_key, found.fencing_token or 0)],
                                    [{"request_delete_range": {"key": b64(lock_key)}}], [], key)
         return (1, found.raw.encode(), 1) if reply.get("succeeded") else (-1, found.raw.encode(), 0)
-
-
-class _Sessions:
-    """The process's sessions by lease TTL; a forked child starts with none (its parent's leases are not its)."""
-
-    def __init__(self) -> None:
-        self._by_ttl: dict[int, Session] = {}
-        self._pid = os.getpid()
-        self._guard = threading.Lock()
-
-    def get(self, seconds: int) -> Session:
-        with self._guard:
-            if self._pid != os.getpid():
-                self._by_ttl, self._pid = {}, os.getpid()
-            found = self._by_ttl.get(seconds)
-            if found is None:
-                found = self._by_ttl[seconds] = Session(seconds)
-            return found
-
-    def all(self) -> list[Session]:
-        with self._guard:
-            return list(self._by_ttl.values()) if self._pid == os.getpid() else []
 
 
 class EtcdRecords:

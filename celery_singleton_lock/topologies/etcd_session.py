@@ -23,12 +23,45 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
-from ..engine.lock import Lock
+from ..engine.addresses import redact_url
+from ..engine.lock import Lock, check_ttl
 from ..exceptions import LockBackendRefused, LockBackendUnavailable, LockError
 
+ETCD_SCHEMES = ("etcd", "etcds")
+DEFAULT_TIMEOUT = 5.0
 MIN_LEASE = 2
 """Seconds: the shortest lease asked for (etcd raises a shorter one to its own minimum anyway)."""
+
+
+def parse_etcd_url(url: str) -> dict[str, Any]:
+    """``etcd[s]://[user:password@]h1:p1[,h2:p2...][?timeout=s&ca_cert=..&cert_cert=..&cert_key=..]`` as
+    Transport's arguments; a ValueError naming the bad part (the password never shown)."""
+    shown = redact_url(url)
+    parts = urlsplit(url)
+    if parts.scheme not in ETCD_SCHEMES:
+        raise ValueError(f"not an etcd URL (etcd:// or etcds://): {shown}")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    endpoints = []
+    for item in hosts.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"etcd URL {shown}: {item.strip() or '(empty)'!r} is not host:port")
+        endpoints.append((host.strip("[]"), int(port)))
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    unknown = set(query) - {"timeout", "ca_cert", "cert_cert", "cert_key"}
+    if unknown:
+        raise ValueError(f"etcd URL {shown}: unknown option(s) {', '.join(sorted(unknown))}")
+    try:
+        timeout = float(query.get("timeout", DEFAULT_TIMEOUT))
+    except ValueError:
+        raise ValueError(f"etcd URL {shown}: timeout={query['timeout']!r} is not a number of seconds") from None
+    user, _, password = userinfo.partition(":")
+    return {"endpoints": endpoints, "url": shown, "timeout": check_ttl(timeout, "etcd timeout"),
+            "protocol": "https" if parts.scheme == "etcds" else "http", "ca_cert": query.get("ca_cert"),
+            "cert_cert": query.get("cert_cert"), "cert_key": query.get("cert_key"),
+            "user": unquote(user) or None, "password": unquote(password) or None}
 
 
 def b64(data: str | bytes) -> str:
@@ -237,3 +270,25 @@ class DoneLeases:
             lease = int(reply["ID"])
             self._leases[seconds] = (lease, now + window)
             return lease
+
+
+class Sessions:
+    """The process's sessions by lease TTL; a forked child starts with none (its parent's leases are not its)."""
+
+    def __init__(self) -> None:
+        self._by_ttl: dict[int, Session] = {}
+        self._pid = os.getpid()
+        self._guard = threading.Lock()
+
+    def get(self, seconds: int) -> Session:
+        with self._guard:
+            if self._pid != os.getpid():
+                self._by_ttl, self._pid = {}, os.getpid()
+            found = self._by_ttl.get(seconds)
+            if found is None:
+                found = self._by_ttl[seconds] = Session(seconds)
+            return found
+
+    def all(self) -> list[Session]:
+        with self._guard:
+            return list(self._by_ttl.values()) if self._pid == os.getpid() else []
