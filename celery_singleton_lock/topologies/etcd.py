@@ -219,9 +219,11 @@ class EtcdLockServer:
         delete = {"request_delete_range": {"key": b64(lock_key)}}
         ours = [_compare_create(lock_key, lock.fencing_token), _compare_value(lock_key, _value(lock.token, lock.ttl,
                                                                                             lock.owner_id))]
-        reply = self.transport.txn(ours, [delete, *extra],
-                                   [_range(lock_key), *extra], lock.key)
+        # a lock already gone (expired) still records the success; one another holds records nothing
+        record = [{"request_txn": {"compare": [_compare_create(lock_key, 0)], "success": extra}}] if extra else []
+        reply = self.transport.txn(ours, [delete, *extra], [_range(lock_key), *record], lock.key)
         lock.released = True
+        self.session(lock.ttl).locks.discard(lock)
         if reply.get("succeeded"):
             return Released(1)
         return Released(-1 if _kvs((reply.get("responses") or [{}])[0]) else 0)
