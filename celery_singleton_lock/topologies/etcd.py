@@ -93,7 +93,15 @@ class EtcdLockServer:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> EtcdLockServer:
+        """``options`` (``singleton_lock_redis_options`` on etcd): ``timeout`` (or ``socket_timeout``),
+        ``ca_cert``, ``cert_cert``, ``cert_key``, ``user``, ``password``; anything else is a ValueError."""
         settings = parse_etcd_url(url)
+        if "socket_timeout" in options:
+            options["timeout"] = options.pop("socket_timeout")
+        unknown = set(options) - {"timeout", "ca_cert", "cert_cert", "cert_key", "user", "password"}
+        if unknown:
+            raise ValueError(f"etcd lock server {settings['url']}: unknown option(s) {', '.join(sorted(unknown))} "
+                             "(it takes timeout, ca_cert, cert_cert, cert_key, user, password)")
         settings.update(options)
         return cls(Transport(**settings))
 
