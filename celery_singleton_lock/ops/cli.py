@@ -35,7 +35,9 @@ from ..engine import layout, line_ops
 from ..engine.server import LockServer
 from ..exceptions import LockError, LockKeyError
 from ..task import LockedTask
+from ..topologies.etcd import EtcdLockServer
 from ..topologies.quorum import QuorumLockServer
+from . import etcd_ops
 from .base import Target, audit, fail, locks, open_target, who_am_i
 from .nodes import node_of_key
 from .reading import SCAN_COUNT, read_batch, read_locks, read_one, scan
@@ -64,6 +66,9 @@ __all__ = ["locks", "duration", "glob_escape", "parse_key"]
 def list_locks(ctx: click.Context, task_name: str | None, as_json: bool, count: int) -> None:
     """One line per held lock: key, task, holder, host, pid, held for, expires in, fencing token, waiters."""
     target = open_target(ctx)
+    if isinstance(target.server, EtcdLockServer):
+        etcd_ops.list_locks(target, target.server, task_name, as_json)
+        return
     rows: list[dict[str, Any]] = []
     for node, batch in scan(target, task_name, count):
         rows.extend(read_locks(target, batch, node.client))
@@ -109,6 +114,9 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     """
     target = open_target(ctx)
     task = target.task_of(key)
+    if isinstance(target.server, EtcdLockServer):
+        etcd_ops.show(ctx, target.server, key, task, as_json)
+        return
 
     def read(client: Any) -> list[Any]:
         pipe = client.pipeline(transaction=False)
@@ -215,6 +223,9 @@ def release(ctx: click.Context, key: str, yes: bool) -> None:
     task = target.task_of(key)
     if isinstance(target.server, QuorumLockServer):
         _release_on_quorum(ctx, target, target.server, key, task, yes)
+        return
+    if isinstance(target.server, EtcdLockServer):
+        etcd_ops.release(ctx, target.server, key, task, yes, confirm_release)
         return
     now_us, found = read_batch(target, [(key, task)], node_of_key(target.server, key).client)
     if not found:

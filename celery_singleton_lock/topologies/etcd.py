@@ -295,19 +295,25 @@ class EtcdLockServer:
     # -- for operators and tests ------------------------------------------------------
 
     def holder(self, name: str) -> Holder | None:
+        found = self.holder_and_lease(name)
+        return None if found is None else found[0]
+
+    def holder_and_lease(self, name: str) -> tuple[Holder, int] | None:
+        """Who holds ``name``, and the lease its key is on (for operators: its time to live)."""
         key = slot_safe(name)
         reply = self.transport.call("/kv/range", {"key": b64(layout.etcd_lock(key))}, key)
         kvs = reply.get("kvs") or []
-        return self._holder(key, kvs[0]) if kvs else None
+        return (self._holder(key, kvs[0]), int(kvs[0].get("lease", 0) or 0)) if kvs else None
 
-    def locks(self, limit: int = 0) -> list[Holder]:
-        """Every lock held now (one range read over the lock prefix)."""
+    def locks(self, limit: int = 0) -> list[tuple[Holder, int]]:
+        """Every lock held now, with its lease (one range read over the lock prefix)."""
         prefix = layout.ETCD_LOCKS
         body: dict[str, Any] = {"key": b64(prefix), "range_end": b64(prefix[:-1] + chr(ord(prefix[-1]) + 1))}
         if limit:
             body["limit"] = str(limit)
         reply = self.transport.call("/kv/range", body)
-        return [self._holder(unb64(kv["key"]).decode()[len(prefix):], kv) for kv in reply.get("kvs") or []]
+        return [(self._holder(unb64(kv["key"]).decode()[len(prefix):], kv), int(kv.get("lease", 0) or 0))
+                for kv in reply.get("kvs") or []]
 
     def force_release(self, key: str, expected: str = "") -> tuple[int, bytes, int]:
         """For operators: delete ``key``'s lock whoever holds it (only if its value starts with
