@@ -70,7 +70,7 @@ class EtcdMember:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def launch(self, initial_cluster: str, state: str = "new", token: str = "csl") -> None:
+    def launch(self, initial_cluster: str, state: str = "new", token: str = "csl", fsync: bool = False) -> None:
         args = [
             self.binary, "--name", self.name, "--data-dir", os.path.join(self.dir, "data"),
             "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
@@ -79,6 +79,8 @@ class EtcdMember:
             "--initial-cluster-token", token,
             # fast elections: a killed leader is replaced within about a second
             "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "error",
+            # tests: no fsync (a SIGKILLed process loses nothing the OS holds); benchmarks keep it
+            *([] if fsync else ["--unsafe-no-fsync"]),
         ]
         log = open(os.path.join(self.dir, "etcd.log"), "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
@@ -133,12 +135,14 @@ class EtcdMember:
 class EtcdCluster:
     """``members`` etcd processes forming one cluster (1 for a plain server), each stopped by PID."""
 
-    def __init__(self, members: int = 1, binary: str | None = None) -> None:
+    def __init__(self, members: int = 1, binary: str | None = None, fsync: bool = False) -> None:
         found = binary or find_etcd()
         if not found:
             raise RuntimeError(NO_ETCD)
         self.members = [EtcdMember(f"m{i}", found) for i in range(members)]
         self.initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        self.fsync = fsync
+        """Whether the members fsync their log (a benchmark's real cost); tests skip it for speed."""
         self.token = f"csl-{os.getpid()}-{self.members[0].client_port}"
 
     def url(self) -> str:
@@ -146,7 +150,7 @@ class EtcdCluster:
 
     def start(self, timeout: float = 30.0) -> EtcdCluster:
         for member in self.members:
-            member.launch(self.initial, token=self.token)
+            member.launch(self.initial, token=self.token, fsync=self.fsync)
         try:
             wait_until(lambda: all(m.healthy() for m in self.members), timeout, 0.1, "etcd to be healthy")
         except TimeoutError:
@@ -173,7 +177,7 @@ class EtcdCluster:
 
     def restart(self, member: EtcdMember, timeout: float = 30.0) -> None:
         """Start a killed member again on its ports and data (it rejoins the cluster)."""
-        member.launch(self.initial, state="existing", token=self.token)
+        member.launch(self.initial, state="existing", token=self.token, fsync=self.fsync)
         wait_until(member.healthy, timeout, 0.1, f"etcd member {member.name} to rejoin")
 
     def stop(self) -> None:
