@@ -16,7 +16,7 @@ import pytest
 
 from celery_singleton_lock import held
 from celery_singleton_lock.engine.lock import Holder, Lock
-from celery_singleton_lock.exceptions import LockBackendUnavailable, LockLost
+from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable, LockLost
 from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies.etcd import EtcdLockServer
@@ -182,3 +182,48 @@ def test_fencing_tokens_rise_across_a_leader_kill(etcd_cluster):
         etcd_cluster.leader()  # a new one is elected
         etcd_cluster.restart(leader)
     assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), fences
+
+
+def test_an_attempt_whose_reply_was_lost_is_taken_back_never_left_behind(etcd_server):
+    """An acquire whose put ran but whose reply never came (a timeout; a member that failed after
+    applying it): the next attempt, given the lost attempt's token (``retake``, as a task passes it),
+    or the same token again, gets that very lock (same revision) instead of being refused by it and
+    leaving it held on a lease this process keeps alive."""
+    server = EtcdLockServer.from_url(etcd_server.url())
+    name = new_name()
+    lost = server.acquire(name, 5, owner_id="t", token="a" * 32)  # its reply "lost": the caller never saw it
+    assert isinstance(lost, Lock)
+    again = server.acquire(name, 5, owner_id="t", token="a" * 32)
+    assert isinstance(again, Lock) and again.fencing_token == lost.fencing_token
+    retaken = server.acquire(name, 5, owner_id="t", token="b" * 32, retake="a" * 32)
+    assert isinstance(retaken, Lock) and retaken.token == "b" * 32 and retaken.fencing_token == lost.fencing_token
+    assert server.release(lost).status == -1  # the old token no longer holds it
+    assert isinstance(server.acquire(name, 5, owner_id="u"), Holder)
+    assert server.release(retaken).status == 1 and server.holder(name) is None
+
+
+@pytest.fixture
+def etcd_with_auth():
+    if find_etcd() is None:
+        pytest.skip(NO_ETCD)
+    cluster = EtcdCluster(members=1).start()
+    member = cluster.members[0]
+    try:
+        assert member.post("/v3/auth/user/add", {"name": "root", "password": "s3cret"}) is not None
+        assert member.post("/v3/auth/user/grant", {"user": "root", "role": "root"}) is not None
+        assert member.post("/v3/auth/enable", {}) is not None
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_auth_user_and_password_and_a_wrong_password_is_refused_without_showing_it(etcd_with_auth):
+    endpoint = etcd_with_auth.members[0].endpoint
+    server = from_settings(f"etcd://root:s3cret@{endpoint}")
+    lock = server.acquire(new_name(), 5, owner_id="t")
+    assert isinstance(lock, Lock) and server.renew(lock) and server.release(lock)
+    with pytest.raises(LockBackendRefused, match="user name is empty"):  # no credentials: a refusal to fix
+        from_settings(f"etcd://{endpoint}").acquire(new_name(), 5)
+    with pytest.raises(LockBackendRefused, match="authentication failed") as info:
+        from_settings(f"etcd://root:wrong@{endpoint}").acquire(new_name(), 5)
+    assert "wrong" not in str(info.value) and "root:***@" in str(info.value)

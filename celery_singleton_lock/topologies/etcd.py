@@ -177,13 +177,15 @@ class EtcdLockServer:
             return self._try(session, key, token, take_back, owner_id, False)
         holder = self._holder(key, held[0])
         held_token = holder.raw.partition(" ")[0]
-        if take_back and held_token == take_back and int(held[0].get("lease", 0)) == lease:
+        if held_token and held_token in (token, take_back):  # ours: an attempt whose reply was lost
             return self._take_back(session, key, token, holder, value, owner_id, confirmed)
         return holder
 
     def _take_back(self, session: Session, key: str, token: str, holder: Holder, value: str,
                    owner_id: str | None, confirmed: float) -> Lock | Holder:
-        """Our own earlier attempt holds the key (its reply was lost): keep its incarnation, under ``token``."""
+        """Our own earlier attempt holds the key (its reply was lost, or a member failed it over to the
+        next endpoint after it ran): keep its incarnation (its revision), under ``token``, on this
+        session's lease (never left behind on a lease that this process keeps alive for other locks)."""
         revision = holder.fencing_token or 0
         lock_key = layout.etcd_lock(key)
         reply = self.transport.txn([_compare_create(lock_key, revision)], [_put(lock_key, value, session.lease)],

@@ -15,6 +15,7 @@ many locks hang on it. When the lease is gone, every lock on it is gone at once.
 from __future__ import annotations
 
 import base64
+import json
 import math
 import os
 import threading
@@ -168,7 +169,15 @@ class LeaseGone(LockBackendUnavailable):
 
 
 def _short(exc: Exception) -> str:
-    return " ".join(str(a) for a in exc.args)[:300] or type(exc).__name__
+    """etcd's own words for an error (the gateway's JSON ``error``/``message``), else the HTTP reason."""
+    detail = getattr(exc, "detail_text", None) or ""
+    try:
+        body = json.loads(detail) if detail else {}
+    except ValueError:
+        body = {}
+    said = (body.get("error") or body.get("message")) if isinstance(body, dict) else None
+    text = str(said) if said else " ".join([detail[:200], *(str(a) for a in exc.args)]).strip()
+    return text[:300] or type(exc).__name__
 
 
 class Session:
