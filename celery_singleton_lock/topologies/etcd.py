@@ -40,6 +40,11 @@ from ..engine.server import TOKEN_BYTES, HandoffSender
 from ..exceptions import LockBackendUnavailable, LockError
 from .etcd_session import DoneLeases, LeaseGone, Session, Sessions, Transport, b64, lease_ttl, parse_etcd_url, unb64
 
+FRESH_FOR = 1 / 6
+"""A session confirmed less than this share of its TTL ago needs no keep-alive in a renewal round:
+rounds of locks due at different ticks share one keep-alive, and a lock so confirmed is next renewed
+at most half its TTL after that confirmation, which leaves the watchdog time to try again before its
+deadline."""
 VERIFY_UP_TO = 128
 """A renewal round of at most this many locks also reads their keys (one txn: etcd's default limit of
 operations per txn); a larger round only keeps the lease alive (see renew_many)."""
@@ -146,7 +151,7 @@ class EtcdLockServer:
         token = token or secrets.token_hex(TOKEN_BYTES)
         session = self.session(ttl)
         for attempt in (1, 2):
-            session.ensure(self.transport, fresh_for=session.ttl / 4)
+            session.ensure(self.transport, fresh_for=session.ttl * FRESH_FOR)
             try:
                 return self._try(session, key, token, take_back, owner_id, check_done)
             except LeaseGone:  # the lease expired between the check and the put: a new session
@@ -246,7 +251,7 @@ class EtcdLockServer:
 
     def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]:
         """ONE keep-alive per session, however many of its locks are due (none when another round
-        confirmed it within the last quarter of its TTL). Every lock on a live lease is confirmed
+        confirmed it within the last sixth of its TTL). Every lock on a live lease is confirmed
         as of the keep-alive's send time; on a lease found gone, every lock on it is lost. A round of
         at most VERIFY_UP_TO locks also reads their keys in one txn, so a lock deleted from outside
         (an operator's ``celery locks release``) is found lost at once, as on Redis."""
@@ -287,7 +292,7 @@ class EtcdLockServer:
 
     def _keep(self, session: Session) -> bool | LockError:
         with session.guard:
-            if session.lease and time.monotonic() - session.confirmed_at < session.ttl / 4:
+            if session.lease and time.monotonic() - session.confirmed_at < session.ttl * FRESH_FOR:
                 return True
             try:
                 return session.keepalive(self.transport)
