@@ -78,11 +78,12 @@ def test_one_keep_alive_per_round_however_many_locks(etcd_server):
     locks = [server.acquire(new_name(), 4, owner_id=f"t{i}") for i in range(300)]
     assert all(isinstance(lock, Lock) for lock in locks)
     [session] = server.sessions()
-    assert len(session.locks) == 300 and session.keepalives == 0
+    assert len(session.locks) == 300
     time.sleep(1.1)  # past a sixth of the TTL: the next round keeps the lease alive
+    before = session.keepalives  # (taking 300 locks on a slow machine may have kept it alive already)
     results = server.renew_many(locks)
-    assert results == [True] * 300 and session.keepalives == 1
-    assert server.renew_many(locks) == [True] * 300 and session.keepalives == 1  # confirmed just now
+    assert results == [True] * 300 and session.keepalives == before + 1
+    assert server.renew_many(locks) == [True] * 300 and session.keepalives == before + 1  # confirmed just now
     confirmed = {lock.confirmed_at for lock in locks}
     assert confirmed == {session.confirmed_at}
     for lock in locks:
