@@ -228,3 +228,28 @@ def test_auth_user_and_password_and_a_wrong_password_is_refused_without_showing_
     with pytest.raises(LockBackendRefused, match="authentication failed") as info:
         from_settings(f"etcd://root:wrong@{endpoint}").acquire(new_name(), 5)
     assert "wrong" not in str(info.value) and "root:***@" in str(info.value)
+
+
+def test_a_forked_child_gets_its_own_connections_and_session(etcd_server):
+    """A prefork child inherits the server object: it talks on connections and a lease of its own,
+    and never releases or renews its parent's lock."""
+    import os
+
+    server = EtcdLockServer.from_url(etcd_server.url())
+    parent_lock = server.acquire(new_name(), 5)
+    assert isinstance(parent_lock, Lock)
+    [parent_session] = server.sessions()
+    pid = os.fork()
+    if pid == 0:  # the child: any failure is its exit status
+        code = 1
+        try:
+            mine = server.acquire(new_name(), 5)
+            ok = (isinstance(mine, Lock) and server.release(parent_lock).status == -2
+                  and server.renew_many([parent_lock]) == [False] and server.sessions()[0].lease != parent_session.lease
+                  and server.release(mine).status == 1)
+            code = 0 if ok else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert server.renew(parent_lock) and server.release(parent_lock).status == 1

@@ -96,12 +96,17 @@ class Transport:
         self.options: dict[str, Any] = {"protocol": protocol, "ca_cert": ca_cert, "cert_key": cert_key,
                                         "cert_cert": cert_cert}
         self.endpoints = list(endpoints)
-        self.clients = [etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout, api_path="/v3/", protocol=protocol,
-                                            ca_cert=ca_cert, cert_key=cert_key, cert_cert=cert_cert)
-                        for h, p in self.endpoints]
+        self._client_class = etcd3gw.Etcd3Client
+        self.clients = self._connect()
         self.user, self.password = user, password
         self._current = 0
         self._auth = threading.Lock()
+
+    def _connect(self) -> list[Any]:
+        """One etcd3gw client (its own requests session) per endpoint, for this process."""
+        self._pid = os.getpid()
+        return [self._client_class(host=h, port=p, timeout=self.timeout, api_path="/v3/", **self.options)
+                for h, p in self.endpoints]
 
     def twin(self, timeout: float) -> Transport:
         """The same endpoints and credentials on new connections whose requests time out after ``timeout``."""
@@ -118,6 +123,8 @@ class Transport:
         the request may have run, and only its caller knows whether sending it again is safe."""
         from etcd3gw import exceptions as ex
 
+        if self._pid != os.getpid():  # a forked child never shares its parent's sockets
+            self.clients = self._connect()
         first = self._current
         errors: list[str] = []
         for step in range(len(self.clients)):
