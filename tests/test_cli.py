@@ -368,6 +368,10 @@ def test_exit_statuses_on_etcd(worker_app, etcd_server):
         assert row["task_id"] == "someone" and 0 < row["ttl_ms"] <= 30_000 and row["pid"] == os.getpid()
     finally:
         held.release()
+    out = celery_cli("locks", "line", missing, env=on)  # no line on etcd yet: nobody waits
+    assert out.returncode == 1 and "nobody waits" in out.stdout, (out.stdout, out.stderr)
+    out = celery_cli("locks", "drop", missing, "some-task", "--yes", env=on)
+    assert out.returncode == 1 and "nothing dropped" in out.stdout, (out.stdout, out.stderr)
     port = free_port()
     down = one_line_error(celery_cli("locks", "list", env={"CSL_LOCK_URL": f"etcd://u:pw@127.0.0.1:{port}?timeout=1"}))
     assert "no etcd endpoint answered" in down and "pw" not in down.replace("***", "")
