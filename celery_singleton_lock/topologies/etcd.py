@@ -144,7 +144,8 @@ class EtcdLockServer:
                 entry: str | None = None, check_done: bool = False,
                 retake: str | None = None) -> Lock | Holder | Verdict | Done:
         """Try once to take ``name``: one txn (plus a lease grant or keep-alive when the session is new
-        or idle). A lock held under ``retake`` (or, without it, under the given ``token``) is taken back."""
+        or idle). A lock held under ``retake`` or under ``token`` (an earlier attempt of this very
+        delivery whose reply was lost) is taken back, under ``token``, at its revision."""
         ttl = check_ttl(ttl)
         key = slot_safe(name)
         take_back = retake if retake is not None else (token or "")
