@@ -13,9 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _backends import BACKENDS, LockBackendUnderTest, backend_of, lock_store
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, find_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +51,28 @@ def any_redis(request) -> Iterator[RedisServer]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdCluster]:
+    """One private etcd member for the session (the etcd backend's contract tests); skipped, with the
+    same one line for every test, where no etcd binary exists."""
+    if find_etcd() is None:
+        pytest.skip(NO_ETCD)
+    cluster = EtcdCluster(members=1).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=BACKENDS)
+def lock_backend(request, redis_server: RedisServer) -> Iterator[LockBackendUnderTest]:
+    """The lock backend a contract test runs on (tests/_backends.py): its name, URL and store."""
+    name, etcd_url = backend_of(request)
+    url, store = lock_store(name, redis_server, etcd_url)
+    yield LockBackendUnderTest(name, url, store)
+    store.close()
+
+
 @pytest.fixture
 def fresh_redis() -> Iterator[RedisServer]:
     """A private redis-server of the test's own, for fault tests (pause, restart, stop)."""
@@ -63,15 +87,15 @@ def lock_url(redis_server: RedisServer) -> str:
 
 def make_app(server: RedisServer, **conf) -> Celery:
     app = Celery(f"t{uuid.uuid4().hex[:8]}", broker=server.url(0), backend=server.url(1), set_as_current=False)
-    app.conf.update(
-        singleton_lock_url=server.url(2),
-        singleton_lock_retry_backoff=0.05,
-        singleton_lock_retry_backoff_max=0.2,
-        worker_hijack_root_logger=False,
-        broker_connection_retry_on_startup=True,
-        result_expires=None,
-        **conf,
-    )
+    app.conf.update({
+        "singleton_lock_url": server.url(2),
+        "singleton_lock_retry_backoff": 0.05,
+        "singleton_lock_retry_backoff_max": 0.2,
+        "worker_hijack_root_logger": False,
+        "broker_connection_retry_on_startup": True,
+        "result_expires": None,
+        **conf,  # e.g. singleton_lock_url of another backend (tests/_backends.py)
+    })
     return app
 
 
@@ -130,4 +154,5 @@ def pytest_report_header(config):
     return [f"redis-server: {b} ({name})" for name, b in _server_binaries()] + [
         f"celery: {__import__('celery').__version__}; redis-py: {__import__('redis').__version__}",
         f"rabbitmq on 5672: {'yes' if shutil.which('rabbitmqctl') else 'unknown'}",
+        f"etcd: {find_etcd() or 'none (the etcd tests are skipped)'}",
     ]

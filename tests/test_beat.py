@@ -23,9 +23,10 @@ from celery.beat import Scheduler
 from celery.signals import before_task_publish
 from conftest import ROOT, make_app
 
-from celery_singleton_lock import Lock, LockServer
+from celery_singleton_lock import Lock
 from celery_singleton_lock.beat import LeaderMixin, LeaderScheduler, beat_settings
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
+from celery_singleton_lock.topologies.servers import from_settings
 
 TTL = 2.0  # the subprocesses' singleton_lock_beat_ttl (tests/apps/beat_app.py reads CSL_BEAT_TTL)
 POLL = 0.25  # their singleton_lock_beat_poll
@@ -38,7 +39,7 @@ KEY = "singleton_lock:beat-leader:{beat_app}"  # the default key for the app nam
 class Beat:
     """One real ``celery beat`` subprocess with its own schedule file, stopped by PID."""
 
-    def __init__(self, server: RedisServer, tmp: Path, n: int) -> None:
+    def __init__(self, server: RedisServer, tmp: Path, n: int, lock_url: str = "") -> None:
         self.log_path = tmp / f"beat{n}.log"
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -46,7 +47,7 @@ class Beat:
              "-S", "celery_singleton_lock.beat:LeaderScheduler",
              "--schedule", str(tmp / f"schedule{n}"), "--pidfile", str(tmp / f"beat{n}.pid"),
              "--loglevel", "INFO"],
-            stdout=log, stderr=subprocess.STDOUT, env=_env(server), cwd=ROOT / "tests",
+            stdout=log, stderr=subprocess.STDOUT, env=_env(server, lock_url), cwd=ROOT / "tests",
         )
         log.close()
 
@@ -70,10 +71,11 @@ class Beat:
                 self.kill()
 
 
-def _env(server: RedisServer) -> dict[str, str]:
+def _env(server: RedisServer, lock_url: str = "") -> dict[str, str]:
     return dict(
         os.environ,
         CSL_REDIS_URL_BASE=f"redis://127.0.0.1:{server.port}",
+        CSL_LOCK_URL=lock_url,
         CSL_BEAT_TTL=str(TTL),
         CSL_BEAT_POLL=str(POLL),
         PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
@@ -81,22 +83,26 @@ def _env(server: RedisServer) -> dict[str, str]:
 
 
 @pytest.fixture
-def processes(fresh_redis, tmp_path):
-    """Start beats (``processes.beat()``) and workers (``processes.worker()``); all stopped by PID at the end."""
+def processes(fresh_redis, tmp_path, lock_backend):
+    """Start beats (``processes.beat()``) and workers (``processes.worker()``), their locks on the
+    backend under test (``processes.locks``: a server, ``processes.store``); all stopped by PID at the end."""
 
     class Started:
         def __init__(self) -> None:
             self.beats: list[Beat] = []
             self.workers: list[WorkerProcess] = []
+            self.url = lock_backend.url if lock_backend.name == "etcd" else ""
+            self.locks = from_settings(lock_backend.url if self.url else fresh_redis.url(2))
+            self.store = lock_backend.store if self.url else fresh_redis.client(2)
 
         def beat(self) -> Beat:
-            b = Beat(fresh_redis, tmp_path, len(self.beats))
+            b = Beat(fresh_redis, tmp_path, len(self.beats), self.url)
             self.beats.append(b)
             return b
 
         def worker(self) -> WorkerProcess:
-            w = WorkerProcess("apps.beat_app", pool="solo", concurrency=1, env=_env(fresh_redis), cwd=ROOT / "tests",
-                              logfile=str(tmp_path / f"worker{len(self.workers)}.log"))
+            w = WorkerProcess("apps.beat_app", pool="solo", concurrency=1, env=_env(fresh_redis, self.url),
+                              cwd=ROOT / "tests", logfile=str(tmp_path / f"worker{len(self.workers)}.log"))
             self.workers.append(w.start())
             return w
 
@@ -117,9 +123,8 @@ def sends(server: RedisServer) -> list[tuple[int, int, float, str]]:
     return out
 
 
-def leader_pid(server: RedisServer) -> int:
+def leader_pid(locks) -> int:
     """The pid in the leader lock's value (the lock carries its holder's host and pid)."""
-    locks = LockServer.from_url(server.url(2))
     holder = wait_until(lambda: locks.holder(KEY), 30, 0.05, "a beat to take the leader lock")
     assert holder.pid is not None
     return int(holder.pid)
@@ -148,7 +153,7 @@ def test_two_beats_one_sends_and_the_standby_takes_over_after_sigkill(fresh_redi
     worker = processes.worker()
     beats = [processes.beat(), processes.beat()]
     worker.wait_ready(30)
-    first = leader_pid(fresh_redis)
+    first = leader_pid(processes.locks)
     by_pid = {b.pid: b for b in beats}
     assert first in by_pid, f"the lock names pid {first}, not one of our beats {list(by_pid)}"
     leader, standby = by_pid[first], next(b for b in beats if b.pid != first)
@@ -161,7 +166,7 @@ def test_two_beats_one_sends_and_the_standby_takes_over_after_sigkill(fresh_redi
     def standby_sent():
         return [s for s in sends(fresh_redis) if s[1] == standby.pid]
 
-    locks = LockServer.from_url(fresh_redis.url(2))
+    locks = processes.locks
 
     def standby_holds():
         holder = locks.holder(KEY)
@@ -208,7 +213,7 @@ def test_a_leader_whose_lock_is_deleted_stops_at_once_and_the_standby_takes_over
     before every send), steps down, and the standby continues the schedule: no tick twice, at most
     the one tick that fell during the switch missed."""
     beats = [processes.beat(), processes.beat()]
-    first = leader_pid(fresh_redis)
+    first = leader_pid(processes.locks)
     by_pid = {b.pid: b for b in beats}
     leader, standby = by_pid[first], next(b for b in beats if b.pid != first)
     wait_until(lambda: len(sends(fresh_redis)) >= 4, 20, 0.1, "4 sends from the leader")
@@ -216,7 +221,7 @@ def test_a_leader_whose_lock_is_deleted_stops_at_once_and_the_standby_takes_over
     # just before a whole second: the next tick comes before the watchdog's next renewal (every TTL/3)
     # would find the lock gone, so only the check before each send can stop that tick
     wait_until(lambda: 0.85 <= time.time() % 1 < 0.9, 5, 0.002, "the end of a second")
-    assert fresh_redis.client(2).delete(KEY) == 1
+    assert processes.store.delete(KEY) == 1
     deleted_at = time.time()
     wait_until(lambda: len([s for s in sends(fresh_redis) if s[1] == standby.pid]) >= 4, 15, 0.05,
                "4 sends from the standby")
@@ -285,11 +290,12 @@ def test_settings_defaults_and_bad_values(redis_server):
 
 
 @pytest.mark.timeout(30)
-def test_watchdog_keeps_an_idle_leader_and_close_hands_over_at_once(fresh_redis, tmp_path):
+def test_watchdog_keeps_an_idle_leader_and_close_hands_over_at_once(fresh_redis, tmp_path, lock_backend):
     """The leader's lock outlives its TTL many times over with no send at all (the watchdog renews
     it); a standby takes nothing meanwhile; the leader's close() releases it, and the standby's very
     next tick takes the lead (no TTL to wait)."""
-    app = make_app(fresh_redis, singleton_lock_beat_ttl=2, beat_schedule={
+    url = lock_backend.url if lock_backend.name == "etcd" else fresh_redis.url(2)
+    app = make_app(fresh_redis, singleton_lock_beat_ttl=2, singleton_lock_url=url, beat_schedule={
         "rare": {"task": "nothing.rare", "schedule": timedelta(hours=1)},
     })
     a = _scheduler(LeaderScheduler, app, tmp_path, 0)
@@ -300,7 +306,7 @@ def test_watchdog_keeps_an_idle_leader_and_close_hands_over_at_once(fresh_redis,
         assert a.is_leader and not b.is_leader
         lock = a.leader_lock
         assert isinstance(lock, Lock)
-        locks = LockServer.from_url(fresh_redis.url(2))
+        locks = from_settings(url)
         deadline = time.monotonic() + 3 * 2.0  # three TTLs
         while time.monotonic() < deadline:
             b.tick()
@@ -322,11 +328,13 @@ class MemoryLeader(LeaderMixin, Scheduler):
 
 
 @pytest.mark.timeout(30)
-def test_mixin_over_another_scheduler_sends_only_from_the_leader_and_continues_its_schedule(fresh_redis):
+def test_mixin_over_another_scheduler_sends_only_from_the_leader_and_continues_its_schedule(fresh_redis,
+                                                                                           lock_backend):
     """Two MemoryLeader instances tick side by side: only the leader's sends happen. When the leader
     resigns right after a send, the new leader takes over the send time from Redis and sends its
     first one a whole period later, not at once (which its own, never-sent schedule would say)."""
-    app = make_app(fresh_redis, singleton_lock_beat_ttl=2, beat_schedule={
+    url = lock_backend.url if lock_backend.name == "etcd" else fresh_redis.url(2)
+    app = make_app(fresh_redis, singleton_lock_beat_ttl=2, singleton_lock_url=url, beat_schedule={
         "every": {"task": "nothing.every", "schedule": timedelta(seconds=1)},
     })
     recorder = _Recorder()

@@ -92,9 +92,10 @@ def test_glob_escape_and_duration():
 
 
 @pytest.mark.timeout(60)
-def test_every_prefix_of_the_app_is_looked_at(redis_server, caplog):
+def test_every_prefix_of_the_app_is_looked_at(redis_server, caplog, lock_backend):
     """The app's prefix and each task's own lock_prefix (click's CliRunner on the group, in-process)."""
-    app = make_app(redis_server, singleton_lock_prefix=f"app{uuid.uuid4().hex[:6]}")
+    app = make_app(redis_server, singleton_lock_prefix=f"app{uuid.uuid4().hex[:6]}",
+                   singleton_lock_url=lock_backend.url)
 
     @locked(app, name="t.default")
     def default(self, n):
@@ -250,21 +251,22 @@ def test_list_scans_in_batches_and_skips_what_is_not_a_lock(redis_server, worker
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_force_release_is_found_by_the_holder(worker_processes, worker_app):
-    w = worker_processes("prefork", concurrency=1, env=ENV).wait_ready()
+def test_force_release_is_found_by_the_holder(worker_processes, worker_app, lock_backend):
+    on = {"CSL_LOCK_URL": lock_backend.url} if lock_backend.name == "etcd" else {}
+    w = worker_processes("prefork", concurrency=1, env={**ENV, **on}).wait_ready()
     arg = f"lost-{uuid.uuid4().hex[:6]}"
     key = worker_app.hold_until_lost.lock_key_for([arg])
     result = worker_app.hold_until_lost.delay(arg)
-    lock = lock_client(worker_app)
+    lock = lock_backend.store if on else lock_client(worker_app)
     wait_until(lambda: lock.exists(key), WAIT, 0.05, "the holder's lock")
 
     # asked first: "no" releases nothing
-    out = celery_cli("locks", "release", key, input="n\n")
+    out = celery_cli("locks", "release", key, input="n\n", env=on)
     assert out.returncode == 1 and "not released" in out.stdout, (out.stdout, out.stderr)
     assert f"held by task {result.id}" in out.stdout
     assert lock.exists(key)
 
-    out = celery_cli("locks", "release", key, input="y\n")
+    out = celery_cli("locks", "release", key, input="y\n", env=on)
     assert out.returncode == 0, (out.stdout, out.stderr)
     assert "force-released by user " in out.stdout and f"on host {socket.gethostname()} (pid " in out.stdout
     assert f"it was held by task {result.id}" in out.stdout
@@ -279,7 +281,7 @@ def test_force_release_is_found_by_the_holder(worker_processes, worker_app):
     assert "no longer the owner" in events[1]["reason"]
     wait_until(lambda: f"lock {key} held by {result.id} was LOST" in w.log(), WAIT, 0.1, "the ERROR line")
 
-    out = celery_cli("locks", "release", key, "--yes")
+    out = celery_cli("locks", "release", key, "--yes", env=on)
     assert out.returncode == 1 and "no lock" in out.stdout
 
 
@@ -338,6 +340,41 @@ def test_exit_statuses(worker_app):
     down = one_line_error(celery_cli("locks", "release", missing, "--yes",
                                      env={"CSL_LOCK_URL": f"redis://127.0.0.1:{port}/2"}))
     assert "cannot reach" in down
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_exit_statuses_on_etcd(worker_app, etcd_server):
+    """The same exit statuses on etcd: 1 for no such lock, 2 (one line, no password) for a bad key or
+    an etcd that does not answer; list and show of a held lock answer 0."""
+    on = {"CSL_LOCK_URL": etcd_server.url()}
+    missing = worker_app.in_line.lock_key_for(["nobody"])
+    out = celery_cli("locks", "release", missing, "--yes", env=on)
+    assert out.returncode == 1 and out.stdout.startswith("no lock"), (out.stdout, out.stderr)
+    out = celery_cli("locks", "show", missing, env=on)
+    assert out.returncode == 1 and "free: nobody holds it" in out.stdout
+    assert f"the lock is '{missing}'" in one_line_error(celery_cli("locks", "release", missing + ":q", "--yes", env=on))
+    from celery_singleton_lock.topologies.etcd import EtcdLockServer
+
+    held = EtcdLockServer.from_url(etcd_server.url()).acquire(missing, 30, owner_id="someone")
+    try:
+        out = celery_cli("locks", "show", missing, env=on)
+        assert out.returncode == 0 and "held by task someone" in out.stdout, (out.stdout, out.stderr)
+        out = celery_cli("locks", "key", HOLD, "--args", json.dumps(["nobody"]), "--json", env=on)
+        answer = json.loads(out.stdout)
+        assert answer["held"] is True and answer["holder"]["fencing_token"] == held.fencing_token
+        rows = json.loads(celery_cli("locks", "list", "--json", env=on).stdout)
+        row = next(r for r in rows if r["key"] == missing)
+        assert row["task_id"] == "someone" and 0 < row["ttl_ms"] <= 30_000 and row["pid"] == os.getpid()
+    finally:
+        held.release()
+    out = celery_cli("locks", "line", missing, env=on)  # no line on etcd yet: nobody waits
+    assert out.returncode == 1 and "nobody waits" in out.stdout, (out.stdout, out.stderr)
+    out = celery_cli("locks", "drop", missing, "some-task", "--yes", env=on)
+    assert out.returncode == 1 and "nothing dropped" in out.stdout, (out.stdout, out.stderr)
+    port = free_port()
+    down = one_line_error(celery_cli("locks", "list", env={"CSL_LOCK_URL": f"etcd://u:pw@127.0.0.1:{port}?timeout=1"}))
+    assert "no etcd endpoint answered" in down and "pw" not in down.replace("***", "")
 
 
 def test_the_majority_verdict_counts_members_by_token():

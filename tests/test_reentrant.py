@@ -32,13 +32,13 @@ def new_name() -> str:
 # -- plain code: held(...) ------------------------------------------------------------------------
 
 
-def test_nested_depth_three_one_lock_no_round_trip_then_another_owner_gets_it(redis_server):
-    url = redis_server.url(2)
+def test_nested_depth_three_one_lock_no_round_trip_then_another_owner_gets_it(lock_backend, redis_server):
+    url = lock_backend.url
     name = new_name()
-    locks = redis_server.client(2)
+    locks = lock_backend.store
     with held(url, name, 10, owner_id="job-1") as outer:
         assert outer.depth == 1
-        with Monitor(redis_server, db=2) as mon:
+        with Monitor(redis_server, db=2) as mon:  # (on etcd: nothing to see on the Redis either)
             with held(url, name, 10, owner_id="job-1") as middle:
                 with held(url, name, 10, owner_id="job-1") as inner:
                     assert inner is middle is outer  # one lock: .lost, .ensure(), .fencing_token are its own
@@ -72,10 +72,10 @@ def test_nested_depth_three_one_lock_no_round_trip_then_another_owner_gets_it(re
         assert other.fencing_token > outer.fencing_token
 
 
-def test_threads_with_the_same_owner_id_do_not_reenter(redis_server):
+def test_threads_with_the_same_owner_id_do_not_reenter(lock_backend):
     """Two threads under one owner id are two executions: the second waits like anyone else,
     and gets a lock of its own once the first lets go."""
-    url = redis_server.url(2)
+    url = lock_backend.url
     name = new_name()
     taken, release, box = threading.Event(), threading.Event(), {}
 
@@ -112,11 +112,11 @@ def test_threads_with_the_same_owner_id_do_not_reenter(redis_server):
         t.join(TIMEOUT)
 
 
-def test_another_owner_in_the_same_thread_does_not_reenter(redis_server):
+def test_another_owner_in_the_same_thread_does_not_reenter(lock_backend):
     """Only the same owner nests: another owner id, or an anonymous held(), in the very thread
     that holds the key is refused, or waits out its ``wait`` and is refused then; the outer
     lock is untouched."""
-    url = redis_server.url(2)
+    url = lock_backend.url
     name = new_name()
     with held(url, name, 10, owner_id="job-1") as outer:
         with pytest.raises(LockContended) as info:
@@ -132,8 +132,8 @@ def test_another_owner_in_the_same_thread_does_not_reenter(redis_server):
             with held(url, name, 10):
                 pass
         assert outer.depth == 1 and not outer.lost
-        assert redis_server.client(2).get(outer.key).decode().startswith(outer.token + " ")
-    assert redis_server.client(2).get(outer.key) is None
+        assert lock_backend.store.get(outer.key).decode().startswith(outer.token + " ")
+    assert lock_backend.store.get(outer.key) is None
 
 
 def test_same_redis_through_another_url_is_the_same_lock(redis_server):
@@ -146,11 +146,11 @@ def test_same_redis_through_another_url_is_the_same_lock(redis_server):
     assert redis_server.client(2).get(outer.key) is None
 
 
-def test_a_lost_lock_cannot_be_reentered(redis_server):
-    url = redis_server.url(2)
+def test_a_lost_lock_cannot_be_reentered(lock_backend):
+    url = lock_backend.url
     name = new_name()
     with held(url, name, 2, owner_id="job-1") as outer:
-        redis_server.client(2).delete(outer.key)  # from outside
+        lock_backend.store.delete(outer.key)  # from outside
         wait_until(lambda: outer.lost, 5, 0.05, "the watchdog to find the lock gone")
         with pytest.raises(LockLost):
             with held(url, name, 2, owner_id="job-1"):

@@ -55,6 +55,11 @@ Outside the slot, for the sweeper (see sweeper.py): ``<prefix>:{waiting}``, a
 ZSET of lock keys that have waiters, scored by when to look at them next, and
 ``<prefix>:{waiting}:epoch``, which changes when the lock Redis lost its data.
 
+On etcd (:mod:`celery_singleton_lock.topologies.etcd`) a lock ``K`` is the key ``ETCD_LOCKS + K``,
+``"<token> <ttl ms> <json: owner, host, pid>"``, put on its process's session lease; its fencing
+token is the key's create revision. A done record is ``ETCD_DONE + K + "/" + <owner id>``, holding
+what the body returned, on a lease of its own.
+
 Quorum mode (one plain Redis per member) adds ``K:f``, the member's fencing floor, and
 ``K:x:<token>``, a release's tombstone for an acquire still on its way (see
 :mod:`celery_singleton_lock.topologies.quorum`).
@@ -118,6 +123,22 @@ def floor(key: str) -> str:
 def tomb(key: str, token: str) -> str:
     """``K:x:<token>``: a quorum release's tombstone of ``token``'s attempt (set where the lock was not)."""
     return f"{key}:x:{token}"
+
+
+ETCD_ROOT = "celery_singleton_lock/"
+ETCD_LOCKS = ETCD_ROOT + "lock/"
+"""etcd: every lock key starts with this (operators list them by this prefix)."""
+ETCD_DONE = ETCD_ROOT + "done/"
+
+
+def etcd_lock(key: str) -> str:
+    """etcd: the lock key of ``key``."""
+    return ETCD_LOCKS + key
+
+
+def etcd_done(key: str, owner: str) -> str:
+    """etcd: ``owner``'s done record under ``key``."""
+    return f"{ETCD_DONE}{key}/{owner}"
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,15 @@ from ..engine import layout, line_ops
 from ..engine.server import LockServer
 from ..exceptions import LockError
 from ..headers import PARKED_AT
+from ..topologies.etcd import EtcdLockServer
 from .base import Target, audit, fail, locks, open_target, who_am_i
 from .survey import KINDS, STATES, duration, message_summary, to_json
 
 
 def read_line(target: Target, key: str) -> list[dict[str, Any]]:
     """The key's waiters, next first, then those handed the key and on their way (out of the line)."""
+    if isinstance(target.server, EtcdLockServer):
+        return []  # etcd keeps no line yet: nobody waits (``line`` exits 1, ``drop`` finds no waiter)
 
     def read(client: Any) -> list[Any]:
         pipe = client.pipeline(transaction=False)

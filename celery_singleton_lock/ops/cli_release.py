@@ -24,7 +24,9 @@ from .. import handoff
 from ..engine import line_ops
 from ..engine.server import LockServer
 from ..exceptions import LockError
+from ..topologies.etcd import EtcdLockServer
 from ..topologies.quorum import QuorumLockServer
+from . import etcd_ops
 from .base import Target, audit, fail, locks, open_target, resolve_task, who_am_i
 from .nodes import node_of_key
 from .reading import read_batch, read_locks, read_one, scan
@@ -55,6 +57,10 @@ def release(ctx: click.Context, key: str | None, task_name: str | None, every: b
         _release_task(ctx, target, resolve_task(target, task_name), yes)
         return
     task = target.task_of(key)
+    if isinstance(target.server, EtcdLockServer):
+        etcd_ops.release(ctx, target.server, key, task, yes, lambda c, k, row: confirm(
+            c, f"lock {k}: {describe(row)}", "Force-release it? Its holder keeps running, without the lock"))
+        return
     held = _held(target, [(key, task)], node_of_key(target.server, key).client)
     if not held:
         click.echo(f"no lock {key}{' on any member' if target.majority else ''}: nothing released")

@@ -58,7 +58,8 @@ def from_settings(
     replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
 ) -> LockBackend:
     """The lock server for ``url``: one Redis, Sentinel (``sentinel://...;sentinel://...``, with
-    ``transport_options["master_name"]``) or Redis Cluster (``redis+cluster://h:p,h:p``).
+    ``transport_options["master_name"]``), Redis Cluster (``redis+cluster://h:p,h:p``), a quorum of
+    masters, or an etcd cluster (``etcd://h:p,h:p``; ``redis_options`` then go to its transport).
 
     ``redis_options`` go to every connection to a data node (not to the Sentinels: those take
     ``transport_options["sentinel_kwargs"]``). ``min_replicas`` > 0 makes every acquire and renewal
@@ -68,6 +69,10 @@ def from_settings(
         raise ValueError(f"singleton_lock_min_replicas must be an int >= 0, got {min_replicas!r}")
     replica_timeout = check_ttl(replica_timeout, "singleton_lock_replica_timeout")
     kind = topology(url)
+    if kind == "etcd":  # consensus: every write is already a majority's (min_replicas does not apply)
+        from .etcd import EtcdLockServer
+
+        return EtcdLockServer.from_url(url, **(redis_options or {}))
     url = url if kind == "quorum" else redis_url_for(url)
     options = dict(redis_options or {})
     server: LockBackend
@@ -112,8 +117,8 @@ def shared(url: str, *, transport_options: dict[str, Any] | None = None, redis_o
                 server = from_settings(url, transport_options=transport_options, redis_options=redis_options,
                                        min_replicas=min_replicas, replica_timeout=replica_timeout)
                 logger.info("celery-singleton-lock: locks live at %s", redact_url(url))
-                for member in getattr(server, "members", [server]):  # every master of a quorum
-                    check_eviction_policy(member.client, member.url)
+                for member in getattr(server, "members", [server]) if topology(url) != "etcd" else []:
+                    check_eviction_policy(member.client, member.url)  # every master of a quorum
                 _shared[key] = server
     return server
 

@@ -46,6 +46,8 @@ def lock_source(conf: Any) -> tuple[str, str]:
     spellings (``ssl_cert_reqs=CERT_REQUIRED``, ``redis+socket://``) reach redis-py right.
     """
     url = conf.get("singleton_lock_url")
+    if isinstance(url, str) and topology(url) == "etcd":  # an etcd cluster (etcd.py), parsed there
+        return url.strip(), "singleton_lock_url"
     members = quorum_members(url)
     if members:  # N independent masters: a Redlock quorum (quorum.py)
         return ";".join(_translated("singleton_lock_url", m) for m in members), "singleton_lock_url"
@@ -78,6 +80,7 @@ def lock_source(conf: Any) -> tuple[str, str]:
 _REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+socket")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEME = "sentinel"
+ETCD_SCHEMES = ("etcd", "etcds")
 
 TRANSPORT_OPTIONS_OF = {
     "singleton_lock_url": "singleton_lock_transport_options",
@@ -90,8 +93,10 @@ SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
 
 
 def topology(url: str) -> str:
-    """``"sentinel"``, ``"cluster"``, ``"quorum"`` or ``"redis"``, for a URL :func:`lock_url` returned."""
+    """``"sentinel"``, ``"cluster"``, ``"quorum"``, ``"etcd"`` or ``"redis"``, for a URL :func:`lock_url` returned."""
     scheme = url.partition("://")[0].strip().lower()
+    if scheme in ETCD_SCHEMES:
+        return "etcd"
     if scheme == SENTINEL_SCHEME:
         return "sentinel"
     if scheme in CLUSTER_SCHEMES:

@@ -25,7 +25,7 @@ BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
 
 app = Celery("beat_app", broker=f"{BASE}/0")
 app.conf.update(
-    singleton_lock_url=f"{BASE}/2",
+    singleton_lock_url=os.environ.get("CSL_LOCK_URL") or f"{BASE}/2",  # e.g. etcd://... (tests/_backends.py)
     singleton_lock_beat_ttl=float(os.environ.get("CSL_BEAT_TTL", "2")),
     singleton_lock_beat_poll=float(os.environ.get("CSL_BEAT_POLL", "0.25")),
     broker_connection_retry_on_startup=True,

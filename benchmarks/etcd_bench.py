@@ -1,0 +1,133 @@
+"""etcd against the Redis backend, side by side in one run (issue 21): quick, standalone.
+
+    .venv/bin/python benchmarks/etcd_bench.py [--ops 2000] [--locks 10000] [--ttl 3] [--json]
+
+Starts a private redis-server and a private one-member etcd on free loopback ports (stopped by
+PID), then measures, for each backend, in this one process:
+
+* **per-task lock cost**: ``--ops`` sequential acquire + release pairs of fresh keys, as a task does
+  them (one owner id each); median and p99 of the pair, in microseconds;
+* **keep-alive cost with ``--locks`` locks held**: the locks are taken, one watchdog tracks each as
+  soon as it is taken, and over two TTLs (after one TTL to settle) we count the process CPU (every thread) per wall
+  second and the round trips sent: on etcd the session's keep-alives (ONE per round however many
+  locks), on Redis the watchdog's pipelined rounds of EVALSHA;
+* **hand-off latency**: the release to the next waiter's start. etcd keeps no waiting line yet (a
+  "retry" duplicate backs off), so it is reported as not applicable there.
+
+Not part of ``dev.py bench``: it prints a small table (or ``--json``), nothing is written. The CPU
+figure includes the watchdog's own per-lock bookkeeping (its timer wheel and deadlines), the same on
+both backends; what differs is the renewal itself (10,000 EVALSHA-renewals pipelined vs ONE keep-alive).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from celery_singleton_lock.engine.lock import Lock  # noqa: E402
+from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd  # noqa: E402
+from celery_singleton_lock.testing.servers import RedisServer  # noqa: E402
+from celery_singleton_lock.topologies.servers import from_settings  # noqa: E402
+from celery_singleton_lock.watchdog.renewer import Watchdog  # noqa: E402
+
+
+def per_task(url: str, ops: int) -> dict[str, float]:
+    """acquire + release of a fresh key, ``ops`` times after 100 warm-ups: median and p99 (us)."""
+    server = from_settings(url)
+    times = []
+    for i in range(ops + 100):
+        name = f"bench:{uuid.uuid4().hex}"
+        start = time.perf_counter_ns()
+        lock = server.acquire(name, 30, owner_id=f"task-{i}")
+        assert isinstance(lock, Lock), lock
+        assert server.release(lock)
+        if i >= 100:
+            times.append((time.perf_counter_ns() - start) / 1000)
+    times.sort()
+    return {"p50_us": statistics.median(times), "p99_us": times[int(len(times) * 0.99) - 1]}
+
+
+def keepalive(url: str, count: int, ttl: float) -> dict[str, Any]:
+    """``count`` locks held and tracked by one watchdog: CPU per wall second and round trips over 2 TTLs."""
+    server = from_settings(url)
+    watchdog = Watchdog()
+    taken_at = time.monotonic()
+    locks = []
+    for _ in range(count):  # tracked as soon as taken, as a task's lock is
+        lock = server.acquire(f"held:{uuid.uuid4().hex}", ttl)
+        assert isinstance(lock, Lock), lock
+        watchdog.track(lock)
+        locks.append(lock)
+    took = time.monotonic() - taken_at
+    time.sleep(ttl)  # settle: every lock renewed once
+    sessions = getattr(server, "sessions", lambda: [])()
+    keepalives_before = sum(s.keepalives for s in sessions)
+    rounds_before = watchdog.rounds
+    cpu_before, wall_before = time.process_time(), time.monotonic()
+    time.sleep(2 * ttl)
+    cpu = time.process_time() - cpu_before
+    wall = time.monotonic() - wall_before
+    lost = sum(1 for lock in locks if lock.lost)
+    out = {
+        "locks": count, "take_all_s": round(took, 2), "window_s": round(wall, 2),
+        "cpu_percent_of_a_core": round(100 * cpu / wall, 2),
+        "watchdog_rounds": watchdog.rounds - rounds_before, "lost": lost,
+    }
+    if sessions:
+        out["keepalives"] = sum(s.keepalives for s in sessions) - keepalives_before
+        out["keepalives_per_period"] = round(out["keepalives"] / (wall / (ttl / 3)), 2)
+    for lock in locks:
+        watchdog.forget(lock)
+    watchdog.shutdown()
+    for lock in locks:
+        server.release(lock)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", type=int, default=2000)
+    parser.add_argument("--locks", type=int, default=10_000)
+    parser.add_argument("--ttl", type=float, default=3.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped run still stops its servers (finally)
+    if find_etcd() is None:
+        print(NO_ETCD, file=sys.stderr)
+        return 2
+    results: dict[str, dict[str, Any]] = {}
+    with RedisServer() as redis_server:
+        etcd = EtcdCluster(members=1, fsync=True).start()  # a real member's cost: it fsyncs its log
+        try:
+            for name, url in (("redis", redis_server.url(2)), ("etcd", etcd.url())):
+                results[name] = {"per_task": per_task(url, args.ops),
+                                 "keepalive": keepalive(url, args.locks, args.ttl),
+                                 "handoff": "n/a: no waiting line on etcd yet" if name == "etcd" else
+                                 "see benchmarks/RESULTS.md (the line's hand-off)"}
+        finally:
+            etcd.stop()
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"{'':8}{'acquire+release p50':>20}{'p99':>10}{'CPU, ' + str(args.locks) + ' held':>18}"
+          f"{'round trips / period':>22}")
+    for name, r in results.items():
+        k = r["keepalive"]
+        per_period = k.get("keepalives_per_period", round(k["watchdog_rounds"] / (k["window_s"] / (args.ttl / 3)), 2))
+        print(f"{name:8}{r['per_task']['p50_us']:>17.0f} us{r['per_task']['p99_us']:>7.0f} us"
+              f"{k['cpu_percent_of_a_core']:>16.2f} %{per_period:>22}")
+    print(json.dumps({name: r["keepalive"] for name, r in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

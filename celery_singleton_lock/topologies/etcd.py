@@ -1,0 +1,366 @@
+"""Locks on an etcd v3 cluster: consensus behind the same interface as one Redis.
+
+``singleton_lock_url = "etcd://host:2379"`` or a comma-separated list of the cluster's endpoints
+(``etcd://h1:2379,h2:2379,h3:2379``); ``etcds://`` for TLS (query ``ca_cert``, ``cert_cert``,
+``cert_key``), ``etcd://user:password@...`` for etcd's auth, ``?timeout=`` for the requests'.
+The client is the ``[etcd]`` extra (etcd3gw: etcd's gRPC-gateway JSON API).
+
+The design is etcd's concurrency package:
+
+* a **session**: one lease per worker process (and lock TTL), granted on first use; every lock of
+  the process is put with it, and the watchdog keeps it alive with ONE keep-alive per round however
+  many locks hang on it (:meth:`EtcdLockServer.renew_many`). A lost lease marks every lock on it
+  lost at once (``lock_lost``, ``.lost``, ``ensure()``);
+* **acquire** is one txn: ``create_revision(K) == 0`` (and, for a redelivery, no done record) ->
+  put K on the session's lease; else read who holds it;
+* **release** is one txn: ``create_revision(K) == ours`` -> delete K (and keep a done record on
+  a lease of its own when asked), so only the holder's own incarnation of the key is ever deleted;
+* **fencing**: ``fencing_token`` is K's create revision. Raft orders every write of the cluster,
+  so the next holder's revision is strictly greater, across leader changes too.
+
+Not supported yet: the waiting line (``supports_line`` is False: a "retry" duplicate backs off and
+tries again, as on a quorum of Redis masters) and ``singleton_lock_min_replicas`` (every write is
+already committed by a majority).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ..engine import layout, wire
+from ..engine.lock import Done, Holder, Lock, Released, Verdict, check_ttl, slot_safe
+from ..engine.server import TOKEN_BYTES, HandoffSender
+from ..exceptions import LockBackendUnavailable, LockError
+from .etcd_session import DoneLeases, LeaseGone, Session, Sessions, Transport, b64, lease_ttl, parse_etcd_url, unb64
+
+FRESH_FOR = 1 / 6
+"""A session confirmed less than this share of its TTL ago needs no keep-alive in a renewal round:
+rounds of locks due at different ticks share one keep-alive, and a lock so confirmed is next renewed
+at most half its TTL after that confirmation, which leaves the watchdog time to try again before its
+deadline."""
+VERIFY_UP_TO = 128
+"""A renewal round of at most this many locks also reads their keys (one txn: etcd's default limit of
+operations per txn); a larger round only keeps the lease alive (see renew_many)."""
+
+
+def _value(token: str, lease_seconds: float, owner_id: str | None) -> str:
+    """The lock key's value: ``"<token> <lease ms> <json: owner, host, pid>"`` (the same bytes again for
+    the same token, owner and process: what a release compares)."""
+    return f"{token} {int(lease_seconds * 1000)} {wire.meta(owner_id)}"
+
+
+def _compare_value(key: str, value: str) -> dict[str, Any]:
+    return {"key": b64(key), "target": "VALUE", "result": "EQUAL", "value": b64(value)}
+
+
+def _compare_create(key: str, revision: int) -> dict[str, Any]:
+    return {"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": str(revision)}
+
+
+def _put(key: str, value: str | bytes, lease: int) -> dict[str, Any]:
+    return {"request_put": {"key": b64(key), "value": b64(value), "lease": str(lease)}}
+
+
+def _range(key: str) -> dict[str, Any]:
+    return {"request_range": {"key": b64(key)}}
+
+
+def _kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
+    kvs: list[dict[str, Any]] = (response.get("response_range") or {}).get("kvs") or []
+    return kvs
+
+
+class EtcdLockServer:
+    """An etcd v3 cluster as a :class:`~celery_singleton_lock.engine.server.LockBackend` (see the
+    module doc). Create one per URL and process (``servers.shared``): it holds the sessions."""
+
+    supports_line = False
+    supports_cooldown = False
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.url = transport.url
+        self.send_handoff: HandoffSender | None = None  # nothing is handed on: no line
+        self.turn_timeout = 0.0
+        self.min_replicas = 0
+        self.replica_timeout = 0.0
+        self.client = EtcdRecords(self)
+        """Plain reads and writes that take no lock (beat's run record)."""
+        self._registry = Sessions()  # shared with the twins
+        self._done_leases = DoneLeases()
+        self._twins: dict[float, EtcdLockServer] = {}
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> EtcdLockServer:
+        """``options`` (``singleton_lock_redis_options`` on etcd): ``timeout`` (or ``socket_timeout``),
+        ``ca_cert``, ``cert_cert``, ``cert_key``, ``user``, ``password``; anything else is a ValueError."""
+        settings = parse_etcd_url(url)
+        if "socket_timeout" in options:
+            options["timeout"] = options.pop("socket_timeout")
+        unknown = set(options) - {"timeout", "ca_cert", "cert_cert", "cert_key", "user", "password"}
+        if unknown:
+            raise ValueError(f"etcd lock server {settings['url']}: unknown option(s) {', '.join(sorted(unknown))} "
+                             "(it takes timeout, ca_cert, cert_cert, cert_key, user, password)")
+        settings.update(options)
+        return cls(Transport(**settings))
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def with_timeout(self, seconds: float) -> EtcdLockServer:
+        """A twin whose requests time out after ``seconds``, sharing this server's sessions."""
+        twin = self._twins.get(seconds)
+        if twin is None:
+            twin = copy.copy(self)
+            twin.transport = self.transport.twin(seconds)
+            twin._twins = {}
+            self._twins[seconds] = twin
+        return twin
+
+    def error(self, exc: Exception, key: str) -> LockError:
+        return exc if isinstance(exc, LockError) else LockBackendUnavailable(self.url, f"{key}: {exc!r}")
+
+    def dispatch(self, handoffs: Iterable[Any]) -> None:
+        """Nothing to send: no line on etcd yet."""
+
+    # -- sessions ---------------------------------------------------------------------
+
+    def session(self, ttl: float) -> Session:
+        """This process's session for locks of ``ttl`` seconds (one lease; a fork starts its own)."""
+        return self._registry.get(lease_ttl(ttl))
+
+    def sessions(self) -> list[Session]:
+        return self._registry.all()
+
+    # -- operations -------------------------------------------------------------------
+
+    def acquire(self, name: str, ttl: float, *, owner_id: str | None = None, token: str | None = None,
+                entry: str | None = None, check_done: bool = False,
+                retake: str | None = None) -> Lock | Holder | Verdict | Done:
+        """Try once to take ``name``: one txn (plus a lease grant or keep-alive when the session is new
+        or idle). A lock held under ``retake`` or under ``token`` (an earlier attempt of this very
+        delivery whose reply was lost) is taken back, under ``token``, at its revision."""
+        ttl = check_ttl(ttl)
+        key = slot_safe(name)
+        take_back = retake if retake is not None else (token or "")
+        token = token or secrets.token_hex(TOKEN_BYTES)
+        session = self.session(ttl)
+        for attempt in (1, 2):
+            session.ensure(self.transport, fresh_for=session.ttl * FRESH_FOR)
+            try:
+                return self._try(session, key, token, take_back, owner_id, check_done)
+            except LeaseGone:  # the lease expired between the check and the put: a new session
+                session.drop(session.lease, "its etcd lease expired")
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _try(self, session: Session, key: str, token: str, take_back: str, owner_id: str | None,
+             check_done: bool) -> Lock | Holder | Verdict | Done:
+        lock_key, lease, confirmed = layout.etcd_lock(key), session.lease, session.confirmed_at
+        value = _value(token, session.ttl, owner_id)
+        compare = [_compare_create(lock_key, 0)]
+        failure = [_range(lock_key)]
+        if check_done and owner_id:
+            done_key = layout.etcd_done(key, owner_id)
+            compare.append({"key": b64(done_key), "target": "VERSION", "result": "EQUAL", "version": "0"})
+            failure.append(_range(done_key))
+        reply = self.transport.txn(compare, [_put(lock_key, value, lease)], failure, key)
+        if reply.get("succeeded"):
+            return self._handle(session, key, token, int(reply["header"]["revision"]), owner_id, confirmed)
+        responses = reply.get("responses") or []
+        if len(responses) > 1 and _kvs(responses[1]):
+            kept = unb64(_kvs(responses[1])[0].get("value"))
+            return Done(kept) if kept else Verdict.ALREADY_SUCCEEDED
+        held = _kvs(responses[0]) if responses else []
+        if not held:  # released between the compare and the read: try again once
+            return self._try(session, key, token, take_back, owner_id, False)
+        holder = self._holder(key, held[0])
+        held_token = holder.raw.partition(" ")[0]
+        if held_token and held_token in (token, take_back):  # ours: an attempt whose reply was lost
+            return self._take_back(session, key, token, holder, value, owner_id, confirmed)
+        return holder
+
+    def _take_back(self, session: Session, key: str, token: str, holder: Holder, value: str,
+                   owner_id: str | None, confirmed: float) -> Lock | Holder:
+        """Our own earlier attempt holds the key (its reply was lost, or a member failed it over to the
+        next endpoint after it ran): keep its incarnation (its revision), under ``token``, on this
+        session's lease (never left behind on a lease that this process keeps alive for other locks)."""
+        revision = holder.fencing_token or 0
+        lock_key = layout.etcd_lock(key)
+        reply = self.transport.txn([_compare_create(lock_key, revision)], [_put(lock_key, value, session.lease)],
+                                   [], key)
+        if not reply.get("succeeded"):
+            return holder
+        return self._handle(session, key, token, revision, owner_id, confirmed)
+
+    def _handle(self, session: Session, key: str, token: str, revision: int, owner_id: str | None,
+                confirmed: float) -> Lock:
+        """The handle of a lock put on ``session``'s lease: trusted as long as the lease lives (its
+        last confirmation plus its TTL), renewed with the session."""
+        lock = Lock(self, key, token, revision, float(session.ttl), owner_id, confirmed_at=confirmed)
+        session.locks.add(lock)
+        if time.monotonic() >= lock.deadline - lock.ttl / 3:  # no time left for the first keep-alive
+            self.release(lock)
+            raise LockBackendUnavailable(self.url, f"the acquire of {key} came too late to be trusted "
+                                         "(its lease is nearly out); the lock was given back")
+        return lock
+
+    @staticmethod
+    def _holder(key: str, kv: dict[str, Any]) -> Holder:
+        raw = unb64(kv.get("value")).decode(errors="replace")
+        token, _, rest = raw.partition(" ")
+        ttl_ms, _, meta_text = rest.partition(" ")
+        parsed = Holder.parse(key, f"{token} 0 {meta_text}", int(ttl_ms) if ttl_ms.isdigit() else -1)
+        return replace(parsed, raw=raw, fencing_token=int(kv.get("create_revision", 0)) or None)
+
+    def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
+                again: bool = False, retries: int = 0, cooldown: float = 0.0,
+                presend: float = 0.0) -> Released:
+        """Delete the key if it is still ours (its create revision is our fencing token, its value our
+        token's): one txn.
+        ``succeeded`` with ``remember`` > 0 keeps ``value`` as the owner's done record that long."""
+        if lock.pid != os.getpid():
+            return Released(-2)
+        lock_key = layout.etcd_lock(lock.key)
+        extra = []
+        if succeeded and remember > 0 and lock.owner_id:
+            lease = self._done_leases.lease_for(self.transport, remember)
+            extra.append(_put(layout.etcd_done(lock.key, lock.owner_id), value, lease))
+        delete = {"request_delete_range": {"key": b64(lock_key)}}
+        ours = [_compare_create(lock_key, lock.fencing_token), _compare_value(lock_key, _value(lock.token, lock.ttl,
+                                                                                            lock.owner_id))]
+        # a lock already gone (expired) still records the success; one another holds records nothing
+        record = [{"request_txn": {"compare": [_compare_create(lock_key, 0)], "success": extra}}] if extra else []
+        reply = self.transport.txn(ours, [delete, *extra], [_range(lock_key), *record], lock.key)
+        lock.released = True
+        self.session(lock.ttl).locks.discard(lock)
+        if reply.get("succeeded"):
+            return Released(1)
+        return Released(-1 if _kvs((reply.get("responses") or [{}])[0]) else 0)
+
+    def renew(self, lock: Lock) -> bool:
+        result = self.renew_many([lock])[0]
+        if isinstance(result, LockError):
+            raise result
+        return result
+
+    def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]:
+        """ONE keep-alive per session, however many of its locks are due (none when another round
+        confirmed it within the last sixth of its TTL). Every lock on a live lease is confirmed
+        as of the keep-alive's send time; on a lease found gone, every lock on it is lost. A round of
+        at most VERIFY_UP_TO locks also reads their keys in one txn, so a lock deleted from outside
+        (an operator's ``celery locks release``) is found lost at once, as on Redis."""
+        by_session: dict[int, tuple[Session, bool | LockError]] = {}
+        out: list[bool | LockError] = []
+        for lock in locks:
+            session = self.session(lock.ttl)
+            if lock.pid != os.getpid() or lock not in session.locks:  # a parent's, or on a lease that is gone
+                out.append(False)
+                continue
+            state = by_session.get(id(session))
+            if state is None:
+                state = by_session[id(session)] = (session, self._keep(session))
+            result = state[1]
+            if result is True:
+                lock.confirmed_at = max(lock.confirmed_at, session.confirmed_at)
+                lock.last_error = None
+            out.append(result)
+        alive = [i for i, result in enumerate(out) if result is True]
+        if 0 < len(alive) <= VERIFY_UP_TO:
+            for i, found in zip(alive, self._still_ours([locks[i] for i in alive]), strict=True):
+                out[i] = found
+        return out
+
+    def _still_ours(self, locks: Sequence[Lock]) -> list[bool | LockError]:
+        """Whether each lock's key is still its incarnation (one txn of reads)."""
+        reads = [{"request_range": {"key": b64(layout.etcd_lock(lock.key)), "keys_only": True}} for lock in locks]
+        try:
+            reply = self.transport.txn([], reads, [], locks[0].key)
+        except LockError as exc:
+            return [exc] * len(locks)
+        responses = reply.get("responses") or []
+        found: list[bool | LockError] = []
+        for lock, response in zip(locks, responses, strict=True):
+            kvs = _kvs(response)
+            found.append(bool(kvs) and int(kvs[0].get("create_revision", 0)) == lock.fencing_token)
+        return found
+
+    def _keep(self, session: Session) -> bool | LockError:
+        with session.guard:
+            if session.lease and time.monotonic() - session.confirmed_at < session.ttl * FRESH_FOR:
+                return True
+            try:
+                return session.keepalive(self.transport)
+            except LockError as exc:
+                return exc
+
+    # -- for operators and tests ------------------------------------------------------
+
+    def holder(self, name: str) -> Holder | None:
+        found = self.holder_and_lease(name)
+        return None if found is None else found[0]
+
+    def holder_and_lease(self, name: str) -> tuple[Holder, int] | None:
+        """Who holds ``name``, and the lease its key is on (for operators: its time to live)."""
+        key = slot_safe(name)
+        reply = self.transport.call("/kv/range", {"key": b64(layout.etcd_lock(key))}, key)
+        kvs = reply.get("kvs") or []
+        return (self._holder(key, kvs[0]), int(kvs[0].get("lease", 0) or 0)) if kvs else None
+
+    def locks(self, limit: int = 0) -> list[tuple[Holder, int]]:
+        """Every lock held now, with its lease (one range read over the lock prefix)."""
+        prefix = layout.ETCD_LOCKS
+        body: dict[str, Any] = {"key": b64(prefix), "range_end": b64(prefix[:-1] + chr(ord(prefix[-1]) + 1))}
+        if limit:
+            body["limit"] = str(limit)
+        reply = self.transport.call("/kv/range", body)
+        return [(self._holder(unb64(kv["key"]).decode()[len(prefix):], kv), int(kv.get("lease", 0) or 0))
+                for kv in reply.get("kvs") or []]
+
+    def force_release(self, key: str, expected: str = "") -> tuple[int, bytes, int]:
+        """For operators: delete ``key``'s lock whoever holds it (only if its value starts with
+        ``expected``, when given): (1 deleted, 0 nothing there, -1 it changed hands), the value, 1."""
+        found = self.holder(key)
+        if found is None:
+            return 0, b"", 0
+        if expected and not found.raw.startswith(expected):
+            return -1, found.raw.encode(), 0
+        lock_key = layout.etcd_lock(slot_safe(key))
+        reply = self.transport.txn([_compare_create(lock_key, found.fencing_token or 0)],
+                                   [{"request_delete_range": {"key": b64(lock_key)}}], [], key)
+        return (1, found.raw.encode(), 1) if reply.get("succeeded") else (-1, found.raw.encode(), 0)
+
+
+class EtcdRecords:
+    """The few plain Redis-hash calls beat's run record makes (``hgetall``, ``hset``), as etcd keys
+    ``<root>hash/<name>/<field>`` without a lease."""
+
+    def __init__(self, server: EtcdLockServer) -> None:
+        self.server = server
+
+    def _prefix(self, name: str) -> str:
+        return f"{layout.ETCD_ROOT}hash/{name}/"
+
+    def hgetall(self, name: str) -> dict[bytes, bytes]:
+        prefix = self._prefix(name)
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        reply = self.server.transport.call("/kv/range", {"key": b64(prefix), "range_end": b64(end)}, name)
+        return {unb64(kv["key"])[len(prefix):]: unb64(kv.get("value")) for kv in reply.get("kvs") or []}
+
+    def hset(self, name: str, field: str, value: str | bytes) -> int:
+        self.server.transport.call("/kv/put", {"key": b64(self._prefix(name) + field), "value": b64(value)}, name)
+        return 1
+
+    def config_get(self, *_: Any) -> dict[str, str]:
+        return {}
+
+    def __repr__(self) -> str:
+        return f"EtcdRecords({json.dumps(self.server.url)})"

@@ -1,0 +1,255 @@
+"""What only the etcd backend has: its URL, the one-lease session and its single keep-alive, a lost
+lease losing every lock on it at once, and fencing by create revision across a leader change.
+
+Against private etcd processes (testing/etcd_servers.py): one member for the session
+(``etcd_server``), and a 3-member cluster of the test's own for the leader change. The contract
+tests shared with Redis are parametrized over the backend in their own files (tests/_backends.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from celery_singleton_lock import held
+from celery_singleton_lock.engine.lock import Holder, Lock
+from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable, LockLost
+from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd
+from celery_singleton_lock.testing.servers import wait_until
+from celery_singleton_lock.topologies.etcd import EtcdLockServer
+from celery_singleton_lock.topologies.etcd_session import parse_etcd_url
+from celery_singleton_lock.topologies.servers import from_settings, shared
+from celery_singleton_lock.topologies.urls import lock_source, topology
+from celery_singleton_lock.watchdog.renewer import Watchdog
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def new_name() -> str:
+    return f"etcd:{uuid.uuid4().hex[:12]}"
+
+
+# -- the URL (pure) ----------------------------------------------------------------------------------
+
+
+def test_url_with_several_endpoints_tls_and_credentials():
+    parsed = parse_etcd_url("etcds://app:s3cr%40t@h1:2379,[::1]:2380,h3:2381?timeout=2.5&ca_cert=/ca.pem")
+    assert parsed["endpoints"] == [("h1", 2379), ("::1", 2380), ("h3", 2381)]
+    assert parsed["protocol"] == "https" and parsed["timeout"] == 2.5 and parsed["ca_cert"] == "/ca.pem"
+    assert (parsed["user"], parsed["password"]) == ("app", "s3cr@t")
+    assert "s3cr" not in parsed["url"] and parsed["url"].startswith("etcds://app:***@h1:2379")
+    assert topology("etcd://h:2379") == "etcd"
+    assert lock_source({"singleton_lock_url": "etcd://h1:2379,h2:2379"}) == ("etcd://h1:2379,h2:2379",
+                                                                             "singleton_lock_url")
+
+
+@pytest.mark.parametrize("url, bad", [
+    ("etcd://u:pw@h1", "'h1' is not host:port"),
+    ("etcd://h1:2379,", "'(empty)' is not host:port"),
+    ("etcd://h1:99999", "'h1:99999' is not host:port"),
+    ("etcd://u:pw@h1:2379?timeout=soon", "timeout='soon'"),
+    ("etcd://h1:2379?tls=1", "unknown option(s) tls"),
+])
+def test_a_bad_url_names_the_bad_part_and_never_the_password(url, bad):
+    with pytest.raises(ValueError) as info:
+        parse_etcd_url(url)
+    assert bad in str(info.value) and "pw" not in str(info.value)
+
+
+def test_an_unreachable_cluster_is_unavailable_with_the_password_redacted():
+    from celery_singleton_lock.testing.servers import free_port
+
+    server = from_settings(f"etcd://app:hunter2@127.0.0.1:{free_port()},127.0.0.1:{free_port()}?timeout=1")
+    with pytest.raises(LockBackendUnavailable) as info:
+        server.acquire(new_name(), 5)
+    assert "hunter2" not in str(info.value) and "app:***@" in str(info.value)
+
+
+# -- against one etcd -----------------------------------------------------------------------------------
+
+
+def test_one_keep_alive_per_round_however_many_locks(etcd_server):
+    """300 locks of one process hang on one lease: a renewal round is ONE keep-alive (plus, for a
+    small round only, one txn of reads), and every lock is confirmed by it."""
+    server = EtcdLockServer.from_url(etcd_server.url())
+    locks = [server.acquire(new_name(), 4, owner_id=f"t{i}") for i in range(300)]
+    assert all(isinstance(lock, Lock) for lock in locks)
+    [session] = server.sessions()
+    assert len(session.locks) == 300
+    time.sleep(1.1)  # past a sixth of the TTL: the next round keeps the lease alive
+    before = session.keepalives  # (taking 300 locks on a slow machine may have kept it alive already)
+    results = server.renew_many(locks)
+    assert results == [True] * 300 and session.keepalives == before + 1
+    assert server.renew_many(locks) == [True] * 300 and session.keepalives == before + 1  # confirmed just now
+    confirmed = {lock.confirmed_at for lock in locks}
+    assert confirmed == {session.confirmed_at}
+    for lock in locks:
+        assert server.release(lock)
+
+
+def test_the_watchdog_keeps_many_locks_with_one_keep_alive_per_period(etcd_server):
+    server = EtcdLockServer.from_url(etcd_server.url())
+    watchdog = Watchdog(tick=0.05)
+    try:
+        locks = [server.acquire(new_name(), 3) for _ in range(200)]
+        for lock in locks:
+            watchdog.track(lock)
+        [session] = server.sessions()
+        wait_until(lambda: session.keepalives >= 3, 10, 0.05, "three keep-alive periods")
+        assert not any(lock.lost for lock in locks)
+        assert session.keepalives <= 4  # ~one per TTL/3 (3 s lease): not one per lock, nor per tick
+    finally:
+        for lock in locks:
+            watchdog.forget(lock)
+            server.release(lock)
+        watchdog.shutdown()
+
+
+def test_a_lost_lease_marks_every_lock_on_it_lost_at_once(etcd_server):
+    server = EtcdLockServer.from_url(etcd_server.url())
+    lost: list[tuple[str, str]] = []
+    everyone = threading.Event()
+    locks = [server.acquire(new_name(), 3) for _ in range(5)]
+    for lock in locks:
+        def on_lost(lock, reason):
+            lost.append((lock.key, reason))
+            if len(lost) == len(locks):
+                everyone.set()
+        lock.on_lost = on_lost
+    [session] = server.sessions()
+    other = EtcdLockServer.from_url(etcd_server.url())
+    other.transport.call("/kv/lease/revoke", {"ID": str(session.lease)})  # from outside: the lease is gone
+    time.sleep(0.8)  # past a sixth of the TTL: the next round sends a keep-alive
+    assert server.renew_many(locks[:1]) == [False]  # one keep-alive finds it gone ...
+    assert everyone.wait(10)  # ... and every lock on it is reported lost
+    assert all(lock.lost for lock in locks)
+    with pytest.raises(LockLost):
+        locks[3].ensure()
+    assert all("lease" in reason for _, reason in lost)
+    fresh = server.acquire(locks[0].key, 3)  # a new session: the key is free again
+    assert isinstance(fresh, Lock) and fresh.fencing_token > locks[0].fencing_token
+    assert server.release(fresh)
+
+
+def test_held_on_etcd_waits_by_polling_and_is_renewed(etcd_server):
+    name = new_name()
+    url = etcd_server.url()
+    with held(url, name, 2, owner_id="a") as lock:
+        assert isinstance(shared(url).holder(name), Holder)
+        time.sleep(2.5)  # past the lease's TTL: it lives on only if the watchdog renewed it
+        assert not lock.lost
+        lock.ensure()
+    with held(url, name, 2, owner_id="b") as again:
+        assert again.fencing_token > lock.fencing_token
+
+
+# -- a 3-member cluster: fencing across a leader change ------------------------------------------------
+
+
+@pytest.fixture
+def etcd_cluster():
+    if find_etcd() is None:
+        pytest.skip(NO_ETCD)
+    cluster = EtcdCluster(members=3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
+def test_fencing_tokens_rise_across_a_leader_kill(etcd_cluster):
+    server = EtcdLockServer.from_url(etcd_cluster.url() + "?timeout=2")
+    name = new_name()
+    fences = []
+
+    def take() -> Lock | None:
+        try:
+            got = server.acquire(name, 5)
+        except LockBackendUnavailable:
+            return None
+        return got if isinstance(got, Lock) else None
+
+    for _kill in range(3):
+        for _ in range(5):
+            lock = wait_until(take, 20, 0.1, "a lock")
+            fences.append(lock.fencing_token)
+            assert server.release(lock)
+        leader = etcd_cluster.leader()
+        leader.kill()
+        etcd_cluster.leader()  # a new one is elected
+        etcd_cluster.restart(leader)
+    assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), fences
+
+
+def test_an_attempt_whose_reply_was_lost_is_taken_back_never_left_behind(etcd_server):
+    """An acquire whose put ran but whose reply never came (a timeout; a member that failed after
+    applying it): the next attempt, given the lost attempt's token (``retake``, as a task passes it),
+    or the same token again, gets that very lock (same revision) instead of being refused by it and
+    leaving it held on a lease this process keeps alive."""
+    server = EtcdLockServer.from_url(etcd_server.url())
+    name = new_name()
+    lost = server.acquire(name, 5, owner_id="t", token="a" * 32)  # its reply "lost": the caller never saw it
+    assert isinstance(lost, Lock)
+    again = server.acquire(name, 5, owner_id="t", token="a" * 32)
+    assert isinstance(again, Lock) and again.fencing_token == lost.fencing_token
+    retaken = server.acquire(name, 5, owner_id="t", token="b" * 32, retake="a" * 32)
+    assert isinstance(retaken, Lock) and retaken.token == "b" * 32 and retaken.fencing_token == lost.fencing_token
+    assert server.release(lost).status == -1  # the old token no longer holds it
+    assert isinstance(server.acquire(name, 5, owner_id="u"), Holder)
+    assert server.release(retaken).status == 1 and server.holder(name) is None
+
+
+@pytest.fixture
+def etcd_with_auth():
+    if find_etcd() is None:
+        pytest.skip(NO_ETCD)
+    cluster = EtcdCluster(members=1).start()
+    member = cluster.members[0]
+    try:
+        assert member.post("/v3/auth/user/add", {"name": "root", "password": "s3cret"}) is not None
+        assert member.post("/v3/auth/user/grant", {"user": "root", "role": "root"}) is not None
+        assert member.post("/v3/auth/enable", {}) is not None
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_auth_user_and_password_and_a_wrong_password_is_refused_without_showing_it(etcd_with_auth):
+    endpoint = etcd_with_auth.members[0].endpoint
+    server = from_settings(f"etcd://root:s3cret@{endpoint}")
+    lock = server.acquire(new_name(), 5, owner_id="t")
+    assert isinstance(lock, Lock) and server.renew(lock) and server.release(lock)
+    with pytest.raises(LockBackendRefused, match="user name is empty"):  # no credentials: a refusal to fix
+        from_settings(f"etcd://{endpoint}").acquire(new_name(), 5)
+    with pytest.raises(LockBackendRefused, match="authentication failed") as info:
+        from_settings(f"etcd://root:wrong@{endpoint}").acquire(new_name(), 5)
+    assert "wrong" not in str(info.value) and "root:***@" in str(info.value)
+
+
+def test_a_forked_child_gets_its_own_connections_and_session(etcd_server):
+    """A prefork child inherits the server object: it talks on connections and a lease of its own,
+    and never releases or renews its parent's lock."""
+    import os
+
+    server = EtcdLockServer.from_url(etcd_server.url())
+    parent_lock = server.acquire(new_name(), 5)
+    assert isinstance(parent_lock, Lock)
+    [parent_session] = server.sessions()
+    pid = os.fork()
+    if pid == 0:  # the child: any failure is its exit status
+        code = 1
+        try:
+            mine = server.acquire(new_name(), 5)
+            ok = (isinstance(mine, Lock) and server.release(parent_lock).status == -2
+                  and server.renew_many([parent_lock]) == [False] and server.sessions()[0].lease != parent_session.lease
+                  and server.release(mine).status == 1)
+            code = 0 if ok else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert server.renew(parent_lock) and server.release(parent_lock).status == 1
