@@ -16,7 +16,10 @@ runs should cause exactly one more run after it: not ten, and not zero. So:
   way (retried, ignored, rejected) sends the merged calls again as they were, so none is lost.
 
 A waiter that times out in line (``lock_max_wait``) fails its merged calls with the same
-:class:`LockWaitTimeout`; one revoked while waiting sends them again.
+:class:`LockWaitTimeout`, one whose run was lost with its process (a hard time limit, SIGKILL) fails
+them with the same error, from the worker's main process; one revoked while waiting sends them
+again. A merged call revoked while it waits leaves its waiter's merged calls (REVOKED), and a
+redelivery of a merged call stays merged (``K:mo:<task id>``): its waiter's run covers it once.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signature
 from celery.app.task import Context
+from celery.signals import task_failure
 from celery.states import FAILURE, SUCCESS
 from kombu.serialization import loads
 
@@ -39,14 +44,14 @@ MERGED = "_singleton_lock_merged"
 """Attribute of ``self.request``: (key, entry, the merged calls' signatures) of a coalescing run."""
 
 
-def take(server: Any, request: Any, key: str, entry: str) -> list[dict[str, Any]]:
+def take(server: Any, request: Any, key: str) -> list[dict[str, Any]]:
     """The calls merged into this waiter (a copy whose turn came), remembered on the request until
     it ends; the latest is last."""
     if not isinstance(server, LockServer):
         return []
-    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, entry)]
+    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, request.id)]
     if calls:
-        request.__dict__[MERGED] = (server, key, entry, calls)
+        request.__dict__[MERGED] = (server, key, request.id, calls)
     return calls
 
 
@@ -64,7 +69,13 @@ def settle(task: Any, request: Any, state: str | None, value: Any = None, exc: B
     merged = request.__dict__.pop(MERGED, None)
     if not merged:
         return
-    server, key, entry, calls = merged
+    server, key, owner, _ = merged
+    try:  # read again: a call revoked while this ran has left them
+        calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
+    except LockError as exc:
+        logger.warning("lock %s: the merged calls of %s could not be read (%s); they are sent again", key, owner, exc)
+        calls, state = merged[3], None
+    resend: list[dict[str, Any]] = []
     for call in calls:
         try:
             if state == SUCCESS:
@@ -72,36 +83,54 @@ def settle(task: Any, request: Any, state: str | None, value: Any = None, exc: B
             elif state == FAILURE and exc is not None:
                 _fail(task, call, exc)
             else:
-                task.app.signature(call).apply_async()  # not covered: it goes again, as it was
+                resend.append(call)  # not covered: it goes again, as it was
         except Exception:
             logger.exception("lock %s: settling the merged call %s failed", key, _id(call))
     try:
-        dedupe.drop_merged(server, key, entry)
+        dedupe.drop_merged(server, key, owner, sent_again=bool(resend))
     except LockError as exc2:
-        logger.warning("lock %s: the merged calls of %s stay until they expire: %s", key, entry, exc2)
+        logger.warning("lock %s: the merged calls of %s stay until they expire: %s", key, owner, exc2)
+    for call in resend:
+        task.app.signature(call).apply_async()
 
 
-def fail_all(task: Any, server: Any, key: str, entry: str, exc: BaseException) -> None:
-    """A waiter that never ran (it waited too long) fails the calls merged into it the same way."""
+def fail_all(task: Any, server: Any, key: str, owner: str, exc: BaseException) -> None:
+    """A waiter whose run never ended well (it waited too long, or its process was lost) fails the
+    calls merged into it the same way."""
     if not isinstance(server, LockServer):
         return
-    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, entry)]
+    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
     for call in calls:
         _fail(task, call, exc)
     if calls:
-        dedupe.drop_merged(server, key, entry)
+        dedupe.drop_merged(server, key, owner)
 
 
-def send_again(app: Any, server: Any, key: str, entry: str) -> int:
+def send_again(app: Any, server: Any, key: str, owner: str) -> int:
     """A waiter left its line without running (revoked): the calls merged into it go again, as they were."""
     if not isinstance(server, LockServer):
         return 0
-    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, entry)]
+    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
+    if calls:
+        dedupe.drop_merged(server, key, owner, sent_again=True)
     for call in calls:
         app.signature(call).apply_async()
-    if calls:
-        dedupe.drop_merged(server, key, entry)
     return len(calls)
+
+
+@task_failure.connect(weak=False)
+def _lost_run(sender: Any = None, task_id: str = "", exception: Any = None, args: Any = (), kwargs: Any = None,
+              **_: Any) -> None:
+    """A coalescing run whose process was lost (a hard time limit, SIGKILL, OOM): the worker's main
+    process reports it, and fails the calls merged into it, which that run would have settled."""
+    if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or not getattr(sender, "singleton_lock", False):
+        return
+    try:
+        if sender.lock_settings().on_duplicate != "coalesce":
+            return
+        fail_all(sender, sender.lock_server(), sender.lock_key_for(args, kwargs), task_id, exception)
+    except Exception:
+        logger.exception("task %s[%s]: failing the calls merged into a lost run failed", sender.name, task_id)
 
 
 def _succeed(task: Any, call: dict[str, Any], value: Any) -> None:

@@ -67,7 +67,9 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
         owner_id=request.id, message=message, first=first,
         again=(request.headers or {}).get(ENTRY) == entry,
-        redelivered=bool((request.delivery_info or {}).get("redelivered")), merge=action is Action.COALESCE,
+        redelivered=bool((request.delivery_info or {}).get("redelivered")),
+        # a redelivery under "coalesce" parks, unless it was merged already: then it stays merged
+        merge=action is Action.COALESCE or (action is Action.PARK and settings.on_duplicate == "coalesce"),
         block=block,
     )
     if not place:

@@ -58,11 +58,13 @@ def publish(task: Any, args: Any, kwargs: Any, options: dict[str, Any], send: An
                         f"Cluster as its lock server; {type(server).__name__} keeps no publish marks")
     key = task.lock_key_for(args, kwargs)
     task_id = uuid()
+    options["headers"] = {**(options.get("headers") or {}), MARKED: "1"}
     try:
         found = dedupe.mark(server, key, task_id, ms(settings.publish_ttl))
     except LockBackendUnavailable as exc:  # the execution lock still applies: publish, unchecked
         logger.warning("task %s: lock_publish could not check lock %s (%s); published unchecked", task.name,
                        key, exc)
+        # still MARKED: if the mark was set and only the reply was lost, its delivery deletes it
         return send(args, kwargs, task_id=task_id, **options)
     if found is not None:
         publish_joined.send(sender=task, key=key, task_id=found.task_id, state=found.state, mode=settings.publish)
@@ -71,7 +73,6 @@ def publish(task: Any, args: Any, kwargs: Any, options: dict[str, Any], send: An
         logger.debug("task %s: a call of lock %s is %s (task %s): joined it", task.name, key, found.state,
                      found.task_id)
         return task.AsyncResult(found.task_id)
-    options["headers"] = {**(options.get("headers") or {}), MARKED: "1"}
     try:
         return send(args, kwargs, task_id=task_id, **options)
     except BaseException:
@@ -83,6 +84,17 @@ def started(task: Any, request: Any, key: str, server: Any) -> None:
     """The delivery of a marked call has taken the lock, parked or been refused: its mark goes."""
     if (request.headers or {}).get(MARKED) and isinstance(server, LockServer):
         _forget(server, key, request.id)
+
+
+def queued_again(task: Any, request: Any, key: str, server: Any) -> None:
+    """A marked call re-sent with back-off is queued again: marked again (unless another call is), so
+    a publish meanwhile joins it rather than making a second call."""
+    if not (request.headers or {}).get(MARKED) or not isinstance(server, LockServer):
+        return
+    try:
+        dedupe.remark(server, key, request.id, ms(task.lock_settings().publish_ttl))
+    except LockError as exc:
+        logger.warning("lock %s: could not mark task %s again: %s", key, request.id, exc)
 
 
 def _forget(server: LockServer, key: str, task_id: str) -> None:

@@ -28,7 +28,6 @@ from celery.signals import worker_init
 from celery.worker import state
 
 from . import coalescing
-from .engine import line as queue
 from .engine import line_ops
 from .exceptions import LockError
 
@@ -76,7 +75,7 @@ def take_out(app: Any, task_id: str) -> list[str]:
         for server, index in _lines_of(app):
             keys = line_ops.remove_everywhere(server, index, task_id)
             for key in keys:  # a coalescing waiter's merged calls did not run: they go again
-                coalescing.send_again(app, server, key, queue.entry_for(task_id))
+                coalescing.send_again(app, server, key, task_id)
             left += keys
     except LockError as exc:
         logger.warning("revoke of task %s: could not look for it in the waiting lines: %s", task_id, exc)

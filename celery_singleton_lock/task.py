@@ -204,7 +204,7 @@ class LockedTask(Task):
         if headers.get(EXPIRED):
             expired = LockWaitTimeout(key, settings.max_wait)
             if settings.on_duplicate == "coalesce":
-                coalescing.fail_all(self, server, key, queue.entry_for(task_id, request.retries), expired)
+                coalescing.fail_all(self, server, key, task_id, expired)
             raise expired
         resent = bool(headers.get(REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
         redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
@@ -224,7 +224,7 @@ class LockedTask(Task):
                 continue
             if MARKED in headers:  # published under lock_publish: the lock or the line shows it from now on
                 publishing.started(self, request, key, server)
-                headers = {k: v for k, v in headers.items() if k != MARKED}
+                headers = {}
             if type(outcome) is Lock:  # the common case, first: no table to consult
                 return self._run_with(outcome, request, settings)
             if who is None:
@@ -252,6 +252,7 @@ class LockedTask(Task):
                     return self._run_with(got, request, settings)
                 raise LockWaitTimeout(key, settings.max_wait)
             if action is Action.BACKOFF:
+                publishing.queued_again(self, request, key, server)
                 policies.backoff(self, request, args, kwargs, settings, outcome,
                                  redelivered=who.redelivered and not who.never_ran)
                 continue
@@ -287,7 +288,7 @@ class LockedTask(Task):
         if self.lock_track_started or entry:
             identity.mark_started(self, request, self.lock_track_started)
         if entry and settings.on_duplicate == "coalesce":  # the calls merged into this waiter: it covers them
-            coalescing.take(lock.server, request, lock.key, entry)
+            coalescing.take(lock.server, request, lock.key)
 
     def _on_my_stack(self, owner_id: str | None) -> bool:
         """Is the execution holding the key up this thread's call stack (eager nesting)?"""

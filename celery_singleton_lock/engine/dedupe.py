@@ -11,7 +11,7 @@ Two records beside a lock, in its hash slot (see :mod:`.layout`):
   dead-lettered, never consumed) leaves the mark until its expiry, the one bound on
   how long it can block publishes; the lock taken at execution still guards anything
   published past it.
-* **Merged calls** ``K:m:<entry>``: ``on_duplicate="coalesce"`` merges a duplicate into
+* **Merged calls** ``K:m:<owner>``: ``on_duplicate="coalesce"`` merges a duplicate into
   the waiter last in line (``line.park(..., merge=True)``, atomic with the look at
   the line), instead of adding a run. The waiter's run reads them when it starts
   (:func:`merged_calls`) and deletes them once it has settled them (:func:`drop_merged`).
@@ -20,6 +20,8 @@ Two records beside a lock, in its hash slot (see :mod:`.layout`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from redis.exceptions import RedisError
 
 from . import layout
 from .lock import slot_safe
@@ -35,15 +37,17 @@ if mark then return {1, mark} end
 local last = redis.call('LINDEX', KEYS[2], -1)
 local rec = last and redis.call('HGET', KEYS[3], last)
 if rec then
-  local owner = string.match(rec, '^..\\n%d+\\n%d+\\n([^\\n]*)\\n')
-  if owner and owner ~= '' then return {2, owner} end
+  local kind, owner = string.match(rec, '^(.).\\n%d+\\n%d+\\n([^\\n]*)\\n')
+  if kind ~= 'p' and owner and owner ~= '' then return {2, owner} end    -- a task, not plain code
 end
 local held = redis.call('GET', KEYS[1])
 -- a lock or a reservation names its call; a cooldown ('=') runs nothing: publish
 local meta = held and string.match(held, '^[^=]%S* %d+ (.*)$')
 if meta then
   local ok, value = pcall(cjson.decode, meta)
-  if ok and type(value) == 'table' and value.owner then return {3, value.owner} end
+  if ok and type(value) == 'table' and type(value.owner) == 'string' and value.owner ~= '' then
+    return {3, value.owner}
+  end
 end
 redis.call('SET', KEYS[4], ARGV[1], 'PX', ARGV[2])
 return {0}
@@ -56,9 +60,22 @@ return 0
 """
 
 TAKE_MERGED = """
--- KEYS[1] the merged calls of a waiter; ARGV[1] '1' to delete them (settled), '' to read them.
-if ARGV[1] == '1' then return redis.call('DEL', KEYS[1]) end
-return redis.call('LRANGE', KEYS[1], 0, -1)
+-- KEYS[1] the merged task ids of a waiter, KEYS[2] their messages, KEYS[3] the lock; ARGV[1] ''
+-- to read them (the messages, oldest first), '1' to delete them (settled: a redelivery of one
+-- stays merged until LOCK:mo:<id> expires), '2' to delete them and where they went (sent again).
+local ids = redis.call('LRANGE', KEYS[1], 0, -1)
+if ARGV[1] ~= '' then
+  if ARGV[1] == '2' then
+    for _, id in ipairs(ids) do redis.call('DEL', KEYS[3] .. ':mo:' .. id) end
+  end
+  return redis.call('DEL', KEYS[1], KEYS[2])
+end
+if #ids == 0 then return {} end
+local out = {}
+for _, m in ipairs(redis.call('HMGET', KEYS[2], unpack(ids))) do
+  if m then out[#out + 1] = m end                               -- (one revoked since: gone)
+end
+return out
 """
 
 JOINED = {1: "queued", 2: "waiting", 3: "running"}
@@ -84,19 +101,29 @@ def mark(server: LockServer, name: str, task_id: str, ttl_ms: int) -> Pending | 
     return Pending(found, JOINED[status])
 
 
+def remark(server: LockServer, name: str, task_id: str, ttl_ms: int) -> None:
+    """Mark ``task_id`` again, unless another call is marked: it is queued again (a back-off re-send)."""
+    key = slot_safe(name)
+    try:
+        server.client.set(layout.publish_mark(key), task_id, nx=True, px=ttl_ms)
+    except RedisError as exc:
+        raise server.error(exc, key) from exc
+
+
 def unmark(server: LockServer, name: str, task_id: str) -> bool:
     """Delete the key's publish mark if it is ``task_id``'s (its delivery started, or it was revoked)."""
     key = slot_safe(name)
     return int(server.run(UNMARK, (layout.publish_mark(key),), (task_id,))) == 1
 
 
-def merged_calls(server: LockServer, name: str, entry: str) -> list[bytes]:
-    """The parked messages of the calls merged into waiter ``entry``, oldest first."""
+def merged_calls(server: LockServer, name: str, owner: str) -> list[bytes]:
+    """The parked messages of the calls merged into waiting task ``owner``, oldest first."""
     key = slot_safe(name)
-    return [bytes(m) for m in server.run(TAKE_MERGED, (layout.merged(key, entry),), ("",))]
+    return [bytes(m) for m in server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("",))]
 
 
-def drop_merged(server: LockServer, name: str, entry: str) -> None:
-    """Forget the calls merged into ``entry``: its run has settled them."""
+def drop_merged(server: LockServer, name: str, owner: str, *, sent_again: bool = False) -> None:
+    """Forget the calls merged into ``owner``: its run has settled them, or (``sent_again``) they were
+    published again as they were, and a copy of one must not find itself merged still."""
     key = slot_safe(name)
-    server.run(TAKE_MERGED, (layout.merged(key, entry),), ("1",))
+    server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("2" if sent_again else "1",))

@@ -26,10 +26,16 @@ REMOVE = scripts._HAND_OFF + """
 -- ARGV[1] an owner id (a task id). Every waiter of that owner leaves the line:
 -- parked, a redelivered copy, or one whose turn was handed (sent or not). If
 -- the key was reserved for one of them, it passes to the next waiter here.
--- Plain code (kind p) is left alone: it leaves by itself. O(waiters).
+-- Plain code (kind p) is left alone: it leaves by itself. A call merged into a waiter
+-- (on_duplicate="coalesce") leaves its merged calls. O(waiters).
 -- Returns {removed, hand-offs...}.
 local held = redis.call('GET', LOCK) or ''
 local removed, reserved = 0, false
+local into = redis.call('GET', LOCK .. ':mo:' .. ARGV[1])
+if into and redis.call('HDEL', LOCK .. ':mm:' .. into, ARGV[1]) == 1 then
+  redis.call('LREM', LOCK .. ':m:' .. into, 0, ARGV[1])
+  removed = 1
+end
 local flat = redis.call('HGETALL', WAITERS)
 for i = 1, #flat, 2 do
   local e = flat[i]
