@@ -161,6 +161,8 @@ class LockedTask(Task):
                     "socket timeout): a lock may be declared lost after one slow renewal", self.name, settings.ttl,
                     shortest,
                 )
+            self.__dict__["_singleton_lock_keys"] = keys.KeyMaker(
+                settings.prefix, self.name, self._lock_signature, self.lock_key)
             self.__dict__["_singleton_lock_settings"] = settings
         return settings
 
@@ -194,10 +196,11 @@ class LockedTask(Task):
 
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
         super().before_start(task_id, args, kwargs)
-        settings = self.__dict__.get("_singleton_lock_settings") or self.lock_settings()
+        mine = self.__dict__
+        settings = mine.get("_singleton_lock_settings") or self.lock_settings()
         request = self.request
         headers = request.headers or {}
-        key = keys.derive(settings.prefix, self.name, self._lock_signature, args, kwargs, self.lock_key)
+        key = mine["_singleton_lock_keys"](args, kwargs)  # keys.derive, with the per-task part done once
         if headers.get(EXPIRED):
             raise LockWaitTimeout(key, settings.max_wait)
         server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
