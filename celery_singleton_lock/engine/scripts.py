@@ -7,6 +7,8 @@ waiters, done (``layout.lock_keys``).
 
 from __future__ import annotations
 
+from .fresh import FRESH_ACQUIRE, FRESH_RELEASE
+
 # Shared by every script of one lock. KEYS: lock, line, waiters, done.
 _KEYS = """
 local LOCK, LINE, WAITERS, DONE = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -25,6 +27,12 @@ local function gone(e)
   redis.call('ZADD', LOCK .. ':g', now, e)
   redis.call('ZREMRANGEBYSCORE', LOCK .. ':g', '-inf', now - 600000)
   redis.call('PEXPIRE', LOCK .. ':g', 600000)
+end
+-- A holder's value. While a waiting line exists it carries ',"line":1' in its metadata
+-- (PARK adds it to the holder it parks behind), so RELEASE looks at the line only then.
+local function holding(token, fence, meta)
+  if redis.call('EXISTS', LINE) == 1 then meta = string.sub(meta, 1, -2) .. ',"line":1}' end
+  return token .. ' ' .. fence .. ' ' .. meta
 end
 -- kind, state, deadline, ttl, owner of a waiter's record
 local function parse(rec)
@@ -75,12 +83,12 @@ local function hand_off(now, drop_owner, out)
 end
 """
 
-ACQUIRE = _KEYS + """
+ACQUIRE = FRESH_ACQUIRE + _KEYS + """
 -- ARGV[1] token, ARGV[2] metadata (JSON), ARGV[3] ttl ms, ARGV[4] owner id,
 -- ARGV[5] entry id when a waiter claims its turn ('' otherwise),
 -- ARGV[6] the token of an earlier attempt whose reply was lost ('' none),
 -- ARGV[7] '1' to drop the owner if it already succeeded here (a redelivery).
--- Returns {1, fence} taken; {0, value, pttl} held (value '' and pttl -2: free,
+-- Returns {1, fence} taken (the fresh path above: the fence alone); {0, value, pttl} held (value '' and pttl -2: free,
 -- but waiters are in line); {2, value or nil} already succeeded (value: what
 -- its body returned, if recorded); {3} the entry is gone.
 local now, t = clock()
@@ -96,7 +104,7 @@ if held then
     -- ours since the lost reply. Taken back under the NEW token: a second message
     -- carrying the old one (a redelivery of the re-send) finds it held
     local fence = string.match(held, '^%S+ (%d+)')
-    redis.call('SET', LOCK, ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3])
+    redis.call('SET', LOCK, holding(ARGV[1], fence, ARGV[2]), 'PX', ARGV[3])
     return {1, fence}
   end
   if entry ~= '' and redis.call('HEXISTS', WAITERS, entry) == 0 then return {3} end
@@ -127,17 +135,17 @@ if entry ~= '' then
   redis.call('LREM', LINE, 1, entry)
 end
 local fence = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
-redis.call('SET', LOCK, ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3])
+redis.call('SET', LOCK, holding(ARGV[1], fence, ARGV[2]), 'PX', ARGV[3])
 return {1, fence}
 """
 
-RELEASE = _HAND_OFF + """
+RELEASE = FRESH_RELEASE + _HAND_OFF + """
 -- ARGV[1] "<token> ", ARGV[2] owner id, ARGV[3] '1' if the holder succeeded,
 -- ARGV[4] ms to remember that success ('0': not needed), ARGV[5] what the body
 -- returned, serialised ('' none), ARGV[6] '1' when this is a retry of a release
 -- whose first try may have run (its reply was lost), ARGV[7] the holder's retry
 -- count (its redelivered copy, if parked, is entry 't' .. sha1 of owner, newline, retries).
--- Returns {deleted, hand-offs...}: deleted 1 it was ours, 0 it was gone
+-- Returns {deleted, hand-offs...} (or a bare 1: deleted, nothing else to do): deleted 1 it was ours, 0 it was gone
 -- already, -1 another holds it. The key passes to the next waiter here.
 handed_by = string.sub(ARGV[1], 1, -2)
 local held = redis.call('GET', LOCK)
@@ -213,7 +221,12 @@ if ARGV[9] == '1' and ARGV[8] ~= '1' and redis.call('ZSCORE', LOCK .. ':g', ARGV
 if ARGV[8] ~= '1' and redis.call('HEXISTS', WAITERS, ARGV[1]) == 1 then
   return {2, (redis.call('LPOS', LINE, ARGV[1]) or -1) + 1}
 end
-if redis.call('EXISTS', LOCK) == 0 and redis.call('EXISTS', LINE) == 0 then return {0} end
+local held = redis.call('GET', LOCK)
+if not held and redis.call('EXISTS', LINE) == 0 then return {0} end
+-- a holder (not a reservation) is flagged: its RELEASE must look at the line (see holding())
+if held and string.sub(held, 1, 1) ~= '~' and string.sub(held, -10) ~= ',"line":1}' then
+  redis.call('SET', LOCK, string.sub(held, 1, -2) .. ',"line":1}', 'KEEPTTL')
+end
 local now = clock()
 local wait = tonumber(ARGV[3])
 local rec = ARGV[2] .. 'p\\n' .. string.format('%.0f', now + wait) .. '\\n'

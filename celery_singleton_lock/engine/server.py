@@ -190,12 +190,17 @@ class LockServer(ScriptClient):
             )
         except Unreplicated as short:
             reply = short.reply
-            if int(reply[0]) == 1:
-                self._give_back_unreplicated(Lock(self, key, token, int(reply[1]), ttl, owner_id,
-                                                  confirmed_at=sent), short.acked)
-        status = int(reply[0])
+            if type(reply) is int or int(reply[0]) == 1:
+                fence = reply if type(reply) is int else int(reply[1])
+                self._give_back_unreplicated(Lock(self, key, token, fence, ttl, owner_id, confirmed_at=sent),
+                                             short.acked)
+        if type(reply) is int:  # the fresh path's reply: the fence alone
+            status, fence = 1, reply
+        else:
+            status = int(reply[0])
+            fence = int(reply[1]) if status == 1 else 0
         if status == 1:
-            lock = Lock(self, key, token, int(reply[1]), ttl, owner_id, confirmed_at=sent)
+            lock = Lock(self, key, token, fence, ttl, owner_id, confirmed_at=sent)
             late = time.monotonic() - sent
             if late >= ttl / 3:
                 self._give_back(lock)
@@ -245,9 +250,11 @@ class LockServer(ScriptClient):
         if lock.pid != os.getpid():
             return Released(-2)
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
-                value if remember else b"", "1" if again else "0", str(retries))
+                value if remember else "", "1" if again else "0", str(retries))
         reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args)
         lock.released = True
+        if type(reply) is int:  # deleted, and nothing else to do (no line, no success to remember)
+            return Released(reply)
         handoffs = tuple(Handoff.parse(lock.key, item) for item in reply[1:])
         self.dispatch(handoffs)
         return Released(int(reply[0]), handoffs)
