@@ -1,8 +1,9 @@
 """The lightest paths of ACQUIRE and RELEASE: what an uncontended task makes Redis run.
 
-Each is a prefix of its script (:mod:`.scripts`), run before the script's shared functions are
-even made, and it returns only where nothing else could be needed; any other case falls through
-to the full script, which reads the key again. So a fresh delivery of a free key nobody waits for
+ACQUIRE_FRESH is a script of its own, small (2 keys, 3 arguments): the client knows when a delivery
+is fresh. FRESH_RELEASE is a prefix of RELEASE, run before the script's shared functions are even
+made, and it returns only where nothing else could be needed; any other case falls through to the
+full RELEASE, which reads the key again. So a fresh delivery of a free key nobody waits for
 costs EXISTS, TIME and SET NX, and its release GET and DEL, where the full scripts run more.
 
 What makes skipping the line safe: only PARK adds a waiter, and it flags the holder's value it
@@ -13,20 +14,25 @@ means nobody waited behind it.
 
 from __future__ import annotations
 
-FRESH_ACQUIRE = """
--- The lightest path, first: a fresh delivery (no entry, no earlier token, no done record
--- to look up: the client asks for those only on a redelivery or a claim) of a key nobody
--- waits for: EXISTS, TIME, SET NX. Returns the fence alone (an integer) when taken.
--- The fence is the server clock in microseconds: strictly increasing per key across
--- holders (one holder's SET comes after the previous one's), also after an expiry.
-if ARGV[5] == '' and ARGV[6] == '' and ARGV[7] ~= '1' and redis.call('EXISTS', KEYS[2]) == 0 then
+ACQUIRE_FRESH = """
+-- KEYS[1] lock, KEYS[2] line; ARGV[1] token, ARGV[2] metadata (JSON), ARGV[3] ttl ms.
+-- ACQUIRE for a fresh delivery: no entry to claim, no earlier token to take back, no done
+-- record to look up (the client sends ACQUIRE itself for those): EXISTS, TIME, SET NX PX.
+-- Returns the fence alone (an integer) when taken; else what ACQUIRE returns: {0, value,
+-- pttl} held, {0, '', -2} free but waiters are in line (nobody jumps the line).
+-- The fence is the server clock in microseconds (TIME's two parts side by side, as text:
+-- no float formatting), so it keeps increasing per key across holders, also after an
+-- expiry, which no client's clock can promise.
+if redis.call('EXISTS', KEYS[2]) == 0 then
   local t = redis.call('TIME')
-  local fence = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
+  local fence = t[1] .. string.sub('00000' .. t[2], -6)
   if redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'NX', 'PX', ARGV[3]) then
     return tonumber(fence)
   end
-  return {0, redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}
 end
+local held = redis.call('GET', KEYS[1])
+if held then return {0, held, redis.call('PTTL', KEYS[1])} end
+return {0, '', -2}
 """
 
 FRESH_RELEASE = """

@@ -7,7 +7,8 @@ waiters, done (``layout.lock_keys``).
 
 from __future__ import annotations
 
-from .fresh import FRESH_ACQUIRE, FRESH_RELEASE
+from .fresh import ACQUIRE_FRESH as ACQUIRE_FRESH  # re-exported: the fresh delivery's ACQUIRE
+from .fresh import FRESH_RELEASE
 
 # Shared by every script of one lock. KEYS: lock, line, waiters, done.
 _KEYS = """
@@ -83,12 +84,13 @@ local function hand_off(now, drop_owner, out)
 end
 """
 
-ACQUIRE = FRESH_ACQUIRE + _KEYS + """
+ACQUIRE = _KEYS + """
 -- ARGV[1] token, ARGV[2] metadata (JSON), ARGV[3] ttl ms, ARGV[4] owner id,
 -- ARGV[5] entry id when a waiter claims its turn ('' otherwise),
 -- ARGV[6] the token of an earlier attempt whose reply was lost ('' none),
 -- ARGV[7] '1' to drop the owner if it already succeeded here (a redelivery).
--- Returns {1, fence} taken (the fresh path above: the fence alone); {0, value, pttl} held (value '' and pttl -2: free,
+-- (A fresh delivery runs ACQUIRE_FRESH instead.)
+-- Returns {1, fence} taken; {0, value, pttl} held (value '' and pttl -2: free,
 -- but waiters are in line); {2, value or nil} already succeeded (value: what
 -- its body returned, if recorded); {3} the entry is gone.
 local now, t = clock()

@@ -181,20 +181,24 @@ class LockServer(ScriptClient):
         token = token or secrets.token_hex(TOKEN_BYTES)
         sent = time.monotonic()
         try:
-            reply = self.run(
-                scripts.ACQUIRE,
-                self.keys_for(key),
-                (token, wire.meta(owner_id), ms(ttl), owner_id or "", entry or "", take_back,
-                 "1" if check_done else ""),
-                replicated=True,
-            )
+            if not (entry or take_back or check_done):  # a fresh delivery: the small script
+                reply = self.run(scripts.ACQUIRE_FRESH, (key, layout.line(key)), (token, wire.meta(owner_id), ms(ttl)),
+                                 replicated=True)
+            else:
+                reply = self.run(
+                    scripts.ACQUIRE,
+                    self.keys_for(key),
+                    (token, wire.meta(owner_id), ms(ttl), owner_id or "", entry or "", take_back,
+                     "1" if check_done else ""),
+                    replicated=True,
+                )
         except Unreplicated as short:
             reply = short.reply
             if type(reply) is int or int(reply[0]) == 1:
                 fence = reply if type(reply) is int else int(reply[1])
                 self._give_back_unreplicated(Lock(self, key, token, fence, ttl, owner_id, confirmed_at=sent),
                                              short.acked)
-        if type(reply) is int:  # the fresh path's reply: the fence alone
+        if type(reply) is int:  # ACQUIRE_FRESH's reply when taken: the fence alone
             status, fence = 1, reply
         else:
             status = int(reply[0])
