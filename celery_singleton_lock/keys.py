@@ -40,6 +40,7 @@ KeySpec = Sequence[str] | Callable[..., str] | None
 # JSONEncoder on every call. Same options, so the same output, byte for byte.
 _COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True)
 _SORTED = json.JSONEncoder(sort_keys=True)
+_json_str: Callable[[str], str] = json.encoder.encode_basestring_ascii  # what _COMPACT writes for a str
 
 
 def make_key(prefix: str, task_name: str, identity: Any) -> str:
@@ -168,22 +169,34 @@ class KeyMaker:
         # how many positional arguments bind without an error (a plain signature's defaults come last)
         self._most = len(plan or ())
         self._fewest = sum(1 for _, default in plan or () if default is _NO_DEFAULT)
-        # (name, position, default) in the order derive() writes them: sorted names, or lock_key's order
-        self._plan: tuple[tuple[str, int, Any], ...] | None = None
+        # (name as JSON, name, position, default) in the order derive() writes them: sorted, or lock_key's
+        self._plan: tuple[tuple[str, str, int, Any], ...] | None = None
         if plan is not None and not callable(lock_key):
             where = {name: (i, default) for i, (name, default) in enumerate(plan)}
             names = sorted(where) if lock_key is None else list(lock_key)
             if all(name in where for name in names):
-                self._plan = tuple((name, *where[name]) for name in names)
+                self._plan = tuple((_json_str(name), name, *where[name]) for name in names)
 
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         plan = self._plan
         n = len(args)
         if plan is not None and not kwargs and self._fewest <= n <= self._most:
-            identity = [[name, canonical(args[i] if i < n else default, name)] for name, i, default in plan]
-            blob = _COMPACT.encode(identity)
-            return self._head + hashlib.sha256((self._salt + blob).encode()).hexdigest()[:32] + "}"
+            # the JSON derive() writes for [[name, canonical(value)], ...], each pair spelt by _spelt
+            blob = ",".join([f"[{head},{_spelt(args[i] if i < n else default, name)}]"
+                             for head, name, i, default in plan])
+            return self._head + hashlib.sha256(f"{self._salt}[{blob}]".encode()).hexdigest()[:32] + "}"
         return derive(self.prefix, self.task_name, self.sig, args, kwargs, self.lock_key)
+
+
+def _spelt(value: Any, path: str) -> str:
+    """``_COMPACT.encode(canonical(value, path))``, with the commonest arguments (an int, a str) spelt by
+    hand: the same text, without building the canonical form and walking it again."""
+    kind = type(value)
+    if kind is int and -_DIGITS_SAFE < value < _DIGITS_SAFE:
+        return '["int","' + int.__repr__(value) + '"]'
+    if kind is str:
+        return _json_str(value)
+    return _COMPACT.encode(canonical(value, path))
 
 
 def _pick(task_name: str, shape: _Shape, named: dict[str, Any], name: str) -> Any:

@@ -738,7 +738,8 @@ def _kwonly(a, *, b=1):
 @pytest.mark.parametrize("sig_of", [_plain, _star, _kwonly, f])
 @pytest.mark.parametrize("lock_key", [None, ["a"], ["b", "a"], ["c"], ["extra"], lambda *a, **k: "fixed"])
 @pytest.mark.parametrize("call", [((), {}), ((1,), {}), ((1, 2), {}), ((1, 2, "y"), {}), ((1, 2, 3, 4), {}),
-                                  ((1,), {"b": 5}), ((), {"a": [1, {"z": 2}]}), ((2.5, None), {})])
+                                  ((1,), {"b": 5}), ((), {"a": [1, {"z": 2}]}), ((2.5, None), {}),
+                                  (('q"\\é\u2028', True), {}), ((10**700, -0.0, b"x"), {})])
 def test_key_maker_gives_what_derive_gives(sig_of, lock_key, call):
     """KeyMaker (derive with the per-task part done once, what before_start uses) keys and fails exactly like derive."""
     sig = inspect.signature(sig_of)
