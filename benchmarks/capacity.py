@@ -252,7 +252,8 @@ def render(cap: dict[str, Any], table: Any) -> str:
         d = cap["variants"][v]
         cmds = ", ".join(f"{k.upper()} {n:.2f}" for k, n in sorted(d["commands_per_task"].items()))
         rows.append([label, f"{d['per_core']:,.0f} [{d['per_core_min']:,.0f}…{d['per_core_max']:,.0f}]",
-                     f"{d['rate']:,.0f}", f"{d['busy'] * 100:.0f} %", f"{d['redis_us_per_task']:.1f}", cmds])
+                     f"{1e6 / d['per_core']:.1f}", f"{d['rate']:,.0f}", f"{d['busy'] * 100:.0f} %",
+                     f"{d['redis_us_per_task']:.1f}", cmds])
     ours = cap["variants"]["ours"]["per_core"]
     cluster = ", ".join(f"{n} shard{'s' if n > 1 else ''} ≈ {n * ours:,.0f}/s" for n in CLUSTER_SHARDS)
     return (
@@ -262,7 +263,8 @@ def render(cap: dict[str, Any], table: Any) -> str:
         "alternated. Tasks per core-second = tasks completed / the server process's CPU seconds (utime + "
         "stime); the rate and the server's busy share beside it: on this "
         f"{cap['cores']}-core machine the clients share the cores with the server)\n\n"
-        + table(["variant", "locked tasks per Redis core-second, median [min…max]", "tasks/s reached",
+        + table(["variant", "locked tasks per Redis core-second, median [min…max]",
+                 "server CPU µs per task", "tasks/s reached",
                  "server busy", "Redis time µs per task (commandstats)", "commands per task (incl. in scripts)"],
                 rows)
         + f"\n\nOurs / cookbook per core: {cap['ratio']:.2f} (median of the rounds' ratios: "
