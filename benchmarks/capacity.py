@@ -247,7 +247,7 @@ def run(seconds: float, rounds: int, procs: int, conns: int, warmup: float) -> d
 
 def render(cap: dict[str, Any], table: Any) -> str:
     rows = []
-    for v, label in (("ours", "ours (ACQUIRE + RELEASE, 2 EVALSHA)"),
+    for v, label in (("ours", "ours (ACQUIRE_FRESH + RELEASE, 2 EVALSHA)"),
                      ("cookbook", "cookbook (SET NX EX + EVALSHA of GET, DEL)")):
         d = cap["variants"][v]
         cmds = ", ".join(f"{k.upper()} {n:.2f}" for k, n in sorted(d["commands_per_task"].items()))
