@@ -242,7 +242,8 @@ def _install_breakdown() -> None:
         return wrapper
 
     LockedTask.before_start = timed("LockedTask.before_start", LockedTask.before_start)
-    csl_keys.derive = timed("keys.derive", csl_keys.derive)
+    # before_start derives the key through the task's KeyMaker (derive with the per-task part done once)
+    csl_keys.KeyMaker.__call__ = timed("keys.derive", csl_keys.KeyMaker.__call__)
     Server = csl_server.LockServer
     Server.acquire = timed("LockServer.acquire", Server.acquire)
     Server.release = timed("LockServer.release", Server.release)

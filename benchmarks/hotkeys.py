@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -31,15 +32,31 @@ from typing import Any
 
 from harness import BenchWorker, percentile, stop_all
 
-from celery_singleton_lock.engine import scripts
+from celery_singleton_lock.engine import line_scripts, scripts
 from celery_singleton_lock.testing.servers import Monitor, RedisServer, wait_until
 
 _seq = itertools.count(1)
 HANDOFF_QUEUE = "hot-one"
 """The queue of the hand-off latency run: only the first node consumes it."""
 
-PARK_SHA = hashlib.sha1(scripts.PARK.encode()).hexdigest()
+PARK_SHA = hashlib.sha1(line_scripts.PARK.encode()).hexdigest()
 ACQUIRE_SHA = hashlib.sha1(scripts.ACQUIRE.encode()).hexdigest()
+FRESH_SHA = hashlib.sha1(scripts.ACQUIRE_FRESH.encode()).hexdigest()
+"""A fresh delivery's ACQUIRE (2 keys: token, metadata, ttl): its owner is in the metadata."""
+
+
+def _acquire_owner(w: list[str]) -> str | None:
+    """The owner id of a MONITORed ACQUIRE (full: its 4th argument; fresh: in its metadata), else None."""
+    if w[0].upper() != "EVALSHA":
+        return None
+    if w[1] == ACQUIRE_SHA and len(w) > 10:
+        return w[10]
+    if w[1] == FRESH_SHA and len(w) > 6:
+        try:
+            return json.loads(w[6]).get("owner")
+        except ValueError:
+            return None
+    return None
 
 
 class HotRecords:
@@ -329,8 +346,9 @@ def drain(cluster: HotCluster, variant: str, n: int, body_s: float, cap: float,
         waiters = {ids[t] for t in rec.parks if t in ids}
     elif variant == "backoff":
         for w in cmds:
-            if w[0].upper() == "EVALSHA" and w[1] == ACQUIRE_SHA and len(w) > 10 and w[10] in ids:
-                s = ids[w[10]]
+            owner = _acquire_owner(w)
+            if owner in ids:
+                s = ids[owner]
                 if s not in seen:
                     seen.add(s)
                     order.append(s)

@@ -408,13 +408,18 @@ def render(results: dict[str, Any], smoke: bool) -> dict[str, str]:
         sections["quorum"] = render_quorum(results["quorum"])
     if "topologies" in results:
         sections["topologies"] = render_topologies(results["topologies"])
+    if results.get("capacity"):
+        import capacity  # benchmarks/ is on sys.path wherever the report is made
+
+        sections["capacity"] = capacity.render(results["capacity"], _table)
 
     goals = evaluate_goals(results)
     sections["goals"] = "\n".join(
         f"- **{g['goal']}: {'MET' if g['met'] else 'NOT MET'}.** {g['figure']}" for g in goals)
     results["goals"] = goals
 
-    order = ("cost", "throughput", "commands", "hot", "backlog", "plain_handoff", "footprint", "quorum", "topologies",
+    order = ("cost", "throughput", "commands", "capacity", "hot", "backlog", "plain_handoff", "footprint", "quorum",
+             "topologies",
              "scale",
              "lost",
              "breakdown",
@@ -749,6 +754,10 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         goals += backlog.goals(results["backlog"])
     if "footprint" in results:
         goals += footprint_goals(results["footprint"])
+    if results.get("capacity"):
+        import capacity
+
+        goals += capacity.goals(results["capacity"])
     return goals
 
 
@@ -960,7 +969,8 @@ def results_markdown(results: dict[str, Any], text: dict[str, str], chart_note: 
         text["commands"],
         "",
     ]
-    for key, title in (("hot", "Hot keys: many tasks on one key"), ("backlog", "Hot key under a backlog"),
+    for key, title in (("capacity", "Capacity: locked tasks per Redis core"),
+                       ("hot", "Hot keys: many tasks on one key"), ("backlog", "Hot key under a backlog"),
                        ("plain_handoff", "Plain-code hand-off"),
                        ("quorum", "Quorum mode"), ("topologies", "Sentinel and Redis Cluster"),
                        ("footprint", "Footprint: what is left in the lock Redis")):

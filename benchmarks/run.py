@@ -105,6 +105,7 @@ FULL = dict(
     backlog_prefetch=(4, 1),
     plain_procs=8, plain_rounds=20, plain_hold=0.002,
     fp_n=20000, fp_waits=(30.0, 120.0), fp_window=60.0,
+    cap_seconds=6.0, cap_rounds=3, cap_procs=3, cap_conns=16,
 )
 SMOKE = dict(
     rounds=1, blocks=8, per_block=1, skip_blocks=1,
@@ -119,6 +120,7 @@ SMOKE = dict(
     backlog_prefetch=(4,),
     plain_procs=4, plain_rounds=2, plain_hold=0.002,
     fp_n=200, fp_waits=(), fp_window=60.0,
+    cap_seconds=1.0, cap_rounds=1, cap_procs=2, cap_conns=4,
 )
 
 
@@ -293,6 +295,11 @@ def run(args: argparse.Namespace) -> int:
         ]
         results["micro"] = scale_run("micro", locks.url(0), n=p["micro_n"])
 
+    say(f"10. capacity: locked tasks per Redis core, ours and the cookbook's ({p['cap_rounds']} rounds x "
+        f"{p['cap_seconds']:g} s each, {p['cap_procs']} client processes x {p['cap_conns']} connections)")
+    results["capacity"] = capacity_run(p)
+    say(f"  ours / cookbook per core: {results['capacity']['ratio']:.2f}")
+
     results["meta"]["duration_s"] = time.time() - started
     results["meta"]["loadavg_end"] = os.getloadavg()
     text = report.render(results, smoke=args.smoke)
@@ -358,6 +365,20 @@ def scale_run(mode: str, lock_url: str, **opts) -> dict:
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     raise RuntimeError(f"scale.py {mode} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+
+
+def capacity_run(p: dict) -> dict:
+    """benchmarks/capacity.py in a process of its own (it starts its own redis-server and clients)."""
+    import json
+
+    cmd = [sys.executable, str(BENCH_DIR / "capacity.py"), "--seconds", str(p["cap_seconds"]),
+           "--rounds", str(p["cap_rounds"]), "--procs", str(p["cap_procs"]), "--conns", str(p["cap_conns"])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120 + 4 * p["cap_rounds"] * p["cap_seconds"],
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCH_DIR)])))
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"capacity.py failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
 
 
 def main() -> int:

@@ -246,6 +246,8 @@ def micro(args: argparse.Namespace) -> dict:
 
     out = {}
     out["keys.derive"] = timeit(lambda i: keys.derive("singleton_lock", "bench.ours", sig, (i,), {}))
+    maker = keys.KeyMaker("singleton_lock", "bench.ours", sig)
+    out["keys.KeyMaker (derive, per task once: what before_start calls)"] = timeit(lambda i: maker((i,), {}))
     settings = config.LockSettings(
         url=args.lock_url, ttl=30.0, on_duplicate="skip", prefix="singleton_lock", max_wait=3600.0, max_retries=50,
         retry_backoff=1.0, retry_backoff_max=30.0, redis_options={}, redelivery_window=3600.0, release_timeout=2.0,

@@ -40,6 +40,7 @@ KeySpec = Sequence[str] | Callable[..., str] | None
 # JSONEncoder on every call. Same options, so the same output, byte for byte.
 _COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True)
 _SORTED = json.JSONEncoder(sort_keys=True)
+_json_str: Callable[[str], str] = json.encoder.encode_basestring_ascii  # what _COMPACT writes for a str
 
 
 def make_key(prefix: str, task_name: str, identity: Any) -> str:
@@ -146,6 +147,56 @@ def derive(
                 value = _pick(task_name, shape, named, name)
             identity.append([name, canonical(value, name)])
     return make_key(prefix, task_name, identity)
+
+
+class KeyMaker:
+    """:func:`derive` for one task, with what is per task worked out once (one per task and process).
+
+    Why: a task's key is derived on every execution, and most of derive()'s work (binding the
+    signature, ordering the names, the key's prefix) depends on the task, not on the call. The
+    common call (positional arguments only, to a plain signature, keyed on every argument or on
+    a list of named parameters) then costs one canonical() per argument and one hash; every other
+    call, and every error, goes through :func:`derive` itself, so the keys are the same.
+    """
+
+    __slots__ = ("prefix", "task_name", "sig", "lock_key", "_head", "_salt", "_plan", "_fewest", "_most")
+
+    def __init__(self, prefix: str, task_name: str, sig: inspect.Signature, lock_key: KeySpec = None) -> None:
+        self.prefix, self.task_name, self.sig, self.lock_key = prefix, task_name, sig, lock_key
+        self._head = f"{prefix}:{task_name}:{{"
+        self._salt = f"{task_name}\n"
+        plan = _shape(sig).plan
+        # how many positional arguments bind without an error (a plain signature's defaults come last)
+        self._most = len(plan or ())
+        self._fewest = sum(1 for _, default in plan or () if default is _NO_DEFAULT)
+        # (name as JSON, name, position, default) in the order derive() writes them: sorted, or lock_key's
+        self._plan: tuple[tuple[str, str, int, Any], ...] | None = None
+        if plan is not None and not callable(lock_key):
+            where = {name: (i, default) for i, (name, default) in enumerate(plan)}
+            names = sorted(where) if lock_key is None else list(lock_key)
+            if all(name in where for name in names):
+                self._plan = tuple((_json_str(name), name, *where[name]) for name in names)
+
+    def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        plan = self._plan
+        n = len(args)
+        if plan is not None and not kwargs and self._fewest <= n <= self._most:
+            # the JSON derive() writes for [[name, canonical(value)], ...], each pair spelt by _spelt
+            blob = ",".join([f"[{head},{_spelt(args[i] if i < n else default, name)}]"
+                             for head, name, i, default in plan])
+            return self._head + hashlib.sha256(f"{self._salt}[{blob}]".encode()).hexdigest()[:32] + "}"
+        return derive(self.prefix, self.task_name, self.sig, args, kwargs, self.lock_key)
+
+
+def _spelt(value: Any, path: str) -> str:
+    """``_COMPACT.encode(canonical(value, path))``, with the commonest arguments (an int, a str) spelt by
+    hand: the same text, without building the canonical form and walking it again."""
+    kind = type(value)
+    if kind is int and -_DIGITS_SAFE < value < _DIGITS_SAFE:
+        return '["int","' + int.__repr__(value) + '"]'
+    if kind is str:
+        return _json_str(value)
+    return _COMPACT.encode(canonical(value, path))
 
 
 def _pick(task_name: str, shape: _Shape, named: dict[str, Any], name: str) -> Any:

@@ -161,6 +161,8 @@ class LockedTask(Task):
             config.check_task_options(self.name, type(self), self._lock_signature)
             settings = config.resolve(self)
             config.warn_short_ttl(self.name, settings)
+            self.__dict__["_singleton_lock_keys"] = keys.KeyMaker(
+                settings.prefix, self.name, self._lock_signature, self.lock_key)
             self.__dict__["_singleton_lock_settings"] = settings
         return settings
 
@@ -196,10 +198,11 @@ class LockedTask(Task):
 
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
         super().before_start(task_id, args, kwargs)
-        settings = self.__dict__.get("_singleton_lock_settings") or self.lock_settings()
+        mine = self.__dict__
+        settings = mine.get("_singleton_lock_settings") or self.lock_settings()
         request = self.request
         headers = request.headers or {}
-        key = keys.derive(settings.prefix, self.name, self._lock_signature, args, kwargs, self.lock_key)
+        key = mine["_singleton_lock_keys"](args, kwargs)  # keys.derive, with the per-task part done once
         server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
         if headers.get(EXPIRED):
             expired = LockWaitTimeout(key, settings.max_wait)

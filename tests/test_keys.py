@@ -721,3 +721,36 @@ def test_golden_values_on_other_python_versions(version):
     if version.split(".")[:2] == [str(n) for n in sys.version_info[:2]]:
         pytest.skip(f"Python {version[:4]} is the one running these tests")
     assert golden_keys_in(str(python), PYTHONHASHSEED="1") == GOLDEN
+
+
+def _plain(a, b=2, c="x"):
+    pass
+
+
+def _star(a, *rest, **extra):
+    pass
+
+
+def _kwonly(a, *, b=1):
+    pass
+
+
+@pytest.mark.parametrize("sig_of", [_plain, _star, _kwonly, f])
+@pytest.mark.parametrize("lock_key", [None, ["a"], ["b", "a"], ["c"], ["extra"], lambda *a, **k: "fixed"])
+@pytest.mark.parametrize("call", [((), {}), ((1,), {}), ((1, 2), {}), ((1, 2, "y"), {}), ((1, 2, 3, 4), {}),
+                                  ((1,), {"b": 5}), ((), {"a": [1, {"z": 2}]}), ((2.5, None), {}),
+                                  (('q"\\é\u2028', True), {}), ((10**700, -0.0, b"x"), {})])
+def test_key_maker_gives_what_derive_gives(sig_of, lock_key, call):
+    """KeyMaker (derive with the per-task part done once, what before_start uses) keys and fails exactly like derive."""
+    sig = inspect.signature(sig_of)
+    args, kwargs = call
+
+    def outcome(fn):
+        try:
+            return fn()
+        except (LockKeyError, TypeError) as exc:
+            return type(exc), str(exc)
+
+    maker = keys.KeyMaker(PREFIX, TASK, sig, lock_key)
+    derived = outcome(lambda: keys.derive(PREFIX, TASK, sig, args, kwargs, lock_key))
+    assert outcome(lambda: maker(args, kwargs)) == derived

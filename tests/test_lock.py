@@ -554,7 +554,7 @@ def test_one_command_per_operation(any_redis):
     for op, cmds in ops.items():
         assert [cmd[0] for cmd in cmds] == ["EVALSHA"], (op, cmds)
     every_key = ["4", lock.key, lock.key + ":q", lock.key + ":w", lock.key + ":d"]  # declared: cluster-safe
-    assert ops["acquire"][0][2:7] == every_key
+    assert ops["acquire"][0][2:5] == ["2", lock.key, lock.key + ":q"]  # a fresh acquire touches the lock and line only
     assert ops["release"][0][2:7] == every_key
     assert ops["renew"][0][2:5] == ["1", lock.key, lock.token + " "]
 
@@ -763,3 +763,31 @@ def test_close_drops_the_connections_and_they_come_back(redis_server):
     assert isinstance(lock, Lock)
     server.close()
     assert server.release(lock)  # reconnects on the next operation
+
+
+# -- the lightest paths (a fresh acquire, a release with nobody in line) -------------------------
+
+
+def test_release_of_a_fresh_holder_hands_the_key_to_a_waiter_that_parked_behind_it(any_redis):
+    """The fresh acquire and the plain release skip the line; PARK flags the holder it parks behind,
+    so that holder's release still hands the key on (a release that skipped it would strand the waiter)."""
+    from celery_singleton_lock.engine import line as queue
+
+    server = server_for(any_redis)
+    name = new_name()
+    holder = server.acquire(name, 5, owner_id="holder")
+    assert isinstance(holder, Lock)
+    assert server.holder(name).raw.endswith("}")  # its value as taken: no line flag
+    assert queue.park(server, name, "p-waiter", kind="p", wait=30, ttl=5, owner_id="waiter") == 1
+    found = server.holder(name)
+    assert found.owner_id == "holder" and found.raw.endswith(',"line":1}')  # flagged, still parses
+    assert found.fencing_token == holder.fencing_token
+    released = server.release(holder)
+    assert released.status == 1 and [h.entry for h in released.handoffs] == ["p-waiter"]
+    reserved = server.holder(name)
+    assert reserved.reserved and reserved.owner_id == "waiter"
+    taken = server.acquire(name, 5, owner_id="waiter", entry="p-waiter")
+    assert isinstance(taken, Lock) and taken.fencing_token > holder.fencing_token
+    assert not server.holder(name).raw.endswith(',"line":1}')  # nobody waits behind it any more
+    assert server.release(taken).status == 1
+    assert server.holder(name) is None

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from ..exceptions import LockError
-from . import layout, scripts
+from . import layout, line_scripts
 from .lock import Handoff, Holder, Lock, Verdict, ms, slot_safe
 from .server import LockServer
 
@@ -143,7 +143,7 @@ def park(
         raise ValueError(f"an owner id cannot contain a newline: {owner_id!r}")
     key = slot_safe(name)
     reply = server.run(
-        scripts.PARK, server.keys_for(key),
+        line_scripts.PARK, server.keys_for(key),
         (entry, kind, ms(wait), ms(ttl), owner_id, message, "1" if first else "0", "1" if again else "0",
          "1" if redelivered else "0", "1" if merge else "0", str(ms(block)) if block > 0 else "0"),
     )
@@ -179,14 +179,14 @@ def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> i
         logger.warning("lock %s: waiting in the worker slot failed (%s); parked instead", name, exc)
     if woken:
         return WOKEN
-    return int(server.run(scripts.UNBLOCK, server.keys_for(key), (entry,)))
+    return int(server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry,)))
 
 
 def leave(server: LockServer, name: str, entry: str) -> bool:
     """Take ``entry`` out of the line (it gave up); True if the key had been reserved for it
     (it then passes to the next waiter)."""
     key = slot_safe(name)
-    reply = server.run(scripts.LEAVE, server.keys_for(key), (entry,))
+    reply = server.run(line_scripts.LEAVE, server.keys_for(key), (entry,))
     server.dispatch(tuple(Handoff.parse(key, item) for item in reply[1:]))
     return int(reply[0]) == 1
 
@@ -195,7 +195,7 @@ def sweep(server: LockServer, name: str) -> tuple[int, tuple[Handoff, ...]]:
     """Pass the key on if its holder died, and time out waiters past their deadline.
     Returns (when to look again, server clock in ms, 0 when nobody waits; the hand-offs made)."""
     key = slot_safe(name)
-    reply = server.run(scripts.SWEEP, server.keys_for(key), ())
+    reply = server.run(line_scripts.SWEEP, server.keys_for(key), ())
     handoffs = tuple(Handoff.parse(key, item) for item in reply[1:])
     server.dispatch(handoffs)
     return int(reply[0]), handoffs
@@ -219,7 +219,7 @@ def index_key(prefix: str) -> str:
 
 def announce(server: LockServer, index: str, name: str) -> None:
     """Tell the sweepers that ``name`` has a waiting task (after every park of one)."""
-    server.run(scripts.INDEX_ADD, (index,), (slot_safe(name),))
+    server.run(line_scripts.INDEX_ADD, (index,), (slot_safe(name),))
 
 
 # -- plain code: block until handed the key -------------------------------------
@@ -259,7 +259,7 @@ def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None
             if time.monotonic() - alive_at >= LONGEST_BLOCK:  # still here: its place lives on
                 alive_at = time.monotonic()
                 lease = ms(min(left, PLAIN_LEASE))
-                if not server.run(scripts.TOUCH, server.keys_for(slot_safe(name)), (entry, lease)):
+                if not server.run(line_scripts.TOUCH, server.keys_for(slot_safe(name)), (entry, lease)):
                     entry = None
                     continue
             # woken by the hand-off, or look again when the holder would expire if it died

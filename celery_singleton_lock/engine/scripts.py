@@ -1,4 +1,5 @@
-"""The Lua scripts: every change to the lock and its waiting line is one of these.
+"""The Lua scripts of one lock: take it, release it (passing the key on), renew it, force it free.
+The waiting line's own scripts (park, sweep, leave...) are in :mod:`.line_scripts`.
 
 Where each key lives and what its records hold is :mod:`celery_singleton_lock.engine.layout`
 (the one place that knows the layout); the scripts' keys follow it: ``KEYS`` lock, line,
@@ -6,6 +7,9 @@ waiters, done (``layout.lock_keys``).
 """
 
 from __future__ import annotations
+
+from .fresh import ACQUIRE_FRESH as ACQUIRE_FRESH  # re-exported: the fresh delivery's ACQUIRE
+from .fresh import FRESH_RELEASE
 
 # Shared by every script of one lock. KEYS: lock, line, waiters, done.
 _KEYS = """
@@ -25,6 +29,12 @@ local function gone(e)
   redis.call('ZADD', LOCK .. ':g', now, e)
   redis.call('ZREMRANGEBYSCORE', LOCK .. ':g', '-inf', now - 600000)
   redis.call('PEXPIRE', LOCK .. ':g', 600000)
+end
+-- A holder's value. While a waiting line exists it carries ',"line":1' in its metadata
+-- (PARK adds it to the holder it parks behind), so RELEASE looks at the line only then.
+local function holding(token, fence, meta)
+  if redis.call('EXISTS', LINE) == 1 then meta = string.sub(meta, 1, -2) .. ',"line":1}' end
+  return token .. ' ' .. fence .. ' ' .. meta
 end
 -- kind, state, deadline, ttl, owner of a waiter's record
 local function parse(rec)
@@ -101,6 +111,7 @@ ACQUIRE = _KEYS + """
 -- ARGV[5] entry id when a waiter claims its turn ('' otherwise),
 -- ARGV[6] the token of an earlier attempt whose reply was lost ('' none),
 -- ARGV[7] '1' to drop the owner if it already succeeded here (a redelivery).
+-- (A fresh delivery runs ACQUIRE_FRESH instead.)
 -- Returns {1, fence} taken; {0, value, pttl} held (value '' and pttl -2: free,
 -- but waiters are in line); {2, value or nil} already succeeded (value: what
 -- its body returned, if recorded); {3} the entry is gone.
@@ -117,7 +128,7 @@ if held then
     -- ours since the lost reply. Taken back under the NEW token: a second message
     -- carrying the old one (a redelivery of the re-send) finds it held
     local fence = string.match(held, '^%S+ (%d+)')
-    redis.call('SET', LOCK, ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3])
+    redis.call('SET', LOCK, holding(ARGV[1], fence, ARGV[2]), 'PX', ARGV[3])
     return {1, fence}
   end
   if entry ~= '' and redis.call('HEXISTS', WAITERS, entry) == 0 then return {3} end
@@ -148,11 +159,11 @@ if entry ~= '' then
   redis.call('LREM', LINE, 1, entry)
 end
 local fence = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
-redis.call('SET', LOCK, ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3])
+redis.call('SET', LOCK, holding(ARGV[1], fence, ARGV[2]), 'PX', ARGV[3])
 return {1, fence}
 """
 
-RELEASE = _HAND_OFF + """
+RELEASE = FRESH_RELEASE + _HAND_OFF + """
 -- ARGV[1] "<token> ", ARGV[2] owner id, ARGV[3] '1' if the holder succeeded,
 -- ARGV[4] ms to remember that success ('0': not needed), ARGV[5] what the body
 -- returned, serialised ('' none), ARGV[6] '1' when this is a retry of a release
@@ -161,8 +172,8 @@ RELEASE = _HAND_OFF + """
 -- ARGV[8] ms of cooldown ('0' none): the key stays taken that long, by nobody,
 -- ARGV[9] ms ('0' none): if the hold was shorter, the task second in line is sent ahead of its turn
 -- (state 'n'), to wait for it in a worker slot (lock_wait_in_slot).
--- Returns {deleted, hand-offs...}: deleted 1 it was ours, 0 it was gone
--- already, -1 another holds it. The key passes to the next waiter here, or,
+-- Returns {deleted, hand-offs...} (or a bare 1: deleted, nothing else to do): deleted 1 it was
+-- ours, 0 it was gone already, -1 another holds it. The key passes to the next waiter here, or,
 -- after a cooldown, through the sweeper once the cooldown has run out.
 handed_by = string.sub(ARGV[1], 1, -2)
 local held = redis.call('GET', LOCK)
@@ -237,220 +248,6 @@ for i = 1, n do
   end
 end
 return out
-"""
-
-PARK = _KEYS + """
--- ARGV[1] entry id, ARGV[2] kind (t, s or p), ARGV[3] longest wait ms,
--- ARGV[4] lock ttl ms, ARGV[5] owner id, ARGV[6] message, ARGV[7] '1' to go first,
--- ARGV[8] '1' when the caller is the copy of this entry (it may park it again),
--- ARGV[9] '1' for a broker redelivery: if the entry left for good (a tombstone),
--- its turn was taken already and {3} is returned (nothing parked).
--- ARGV[10] '1' to merge instead (on_duplicate="coalesce"): if the last in line is a parked task,
--- the call joins that waiter's merged calls (LOCK:m:<its owner>, once per task id; LOCK:mo:<task
--- id> says where it went) and {4, entry, owner} is returned.
--- ARGV[11] ms the task waits in its worker slot ('0' none): state 'b', and LOCK:b:<entry> lives that
--- long; a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message.
--- Returns {0} when the key is free and nobody waits (take it instead), {5} when the key is reserved
--- for this entry (its copy, ARGV[8]: claim it),
--- {2, place (0: out of line, its copy on its way)} when the entry is parked
--- already (a task's entry id comes from its task id: a redelivery of a parked
--- message must not park it twice), else {1, place in line}.
-if ARGV[9] == '1' and ARGV[8] ~= '1' and redis.call('ZSCORE', LOCK .. ':g', ARGV[1]) then return {3} end
-if ARGV[10] == '1' then
-  -- a redelivery of a call merged already: it stays merged (its waiter's run covers it, or did)
-  local into = redis.call('GET', LOCK .. ':mo:' .. ARGV[5])
-  if into then return {4, '', into} end
-end
-if ARGV[8] ~= '1' and redis.call('HEXISTS', WAITERS, ARGV[1]) == 1 then
-  return {2, (redis.call('LPOS', LINE, ARGV[1]) or -1) + 1}
-end
-if ARGV[8] == '1' then
-  -- the entry's own copy: if the key was handed to it since it looked, it claims it (not parks again,
-  -- which would leave the key reserved for nobody who waits for it)
-  local held = redis.call('GET', LOCK)
-  if held and string.sub(held, 1, #ARGV[1] + 2) == '~' .. ARGV[1] .. ' ' then return {5} end
-end
-if redis.call('EXISTS', LOCK) == 0 and redis.call('EXISTS', LINE) == 0 then return {0} end
-local now = clock()
-if ARGV[10] == '1' then
-  local last = redis.call('LINDEX', LINE, -1)
-  local rec = last and redis.call('HGET', WAITERS, last)
-  if rec then
-    local kind, state, deadline, _, owner = parse(rec)
-    if kind == 't' and state == 'p' and owner ~= ARGV[5] then  -- parked, its turn not come: merge into it
-      -- LOCK:m:<owner> the merged ids in order, LOCK:mm:<owner> their messages; each id once
-      local ids, msgs = LOCK .. ':m:' .. owner, LOCK .. ':mm:' .. owner
-      if redis.call('HSETNX', msgs, ARGV[5], ARGV[6]) == 1 then redis.call('RPUSH', ids, ARGV[5]) end
-      -- kept past the waiter's deadline and any reservation of its turn (turn timeout)
-      local keep = math.max(deadline - now, 0) + 600000
-      redis.call('SET', LOCK .. ':mo:' .. ARGV[5], owner, 'PX', keep)
-      for _, k in ipairs({ids, msgs}) do redis.call('PEXPIRE', k, keep) end
-      return {4, last, owner}
-    end
-  end
-end
-local wait = tonumber(ARGV[3])
-local state = 'p'
-if (ARGV[11] or '0') ~= '0' then
-  state = 'b'
-  redis.call('SET', LOCK .. ':b:' .. ARGV[1], '1', 'PX', ARGV[11])
-end
-local rec = ARGV[2] .. state .. '\\n' .. string.format('%.0f', now + wait) .. '\\n'
-  .. ARGV[4] .. '\\n' .. ARGV[5] .. '\\n' .. ARGV[6]
-redis.call('HSET', WAITERS, ARGV[1], rec)
-redis.call('LREM', LINE, 1, ARGV[1])
-local place = 1
-if ARGV[7] == '1' then
-  redis.call('LPUSH', LINE, ARGV[1])
-else
-  place = redis.call('RPUSH', LINE, ARGV[1])
-end
--- the line outlives its last waiter's deadline by a minute, and no longer
-local keep = wait + 60000
-for _, key in ipairs({WAITERS, LINE}) do
-  if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
-end
-return {1, place}
-"""
-
-TOUCH = _KEYS + """
--- ARGV[1] entry id, ARGV[2] lease ms. A plain waiter (held(..., wait=...)) is
--- alive: its record's deadline moves to now + lease, so one that died leaves the
--- line within its lease, not its whole wait. Returns 1, or 0 if it is gone.
-local rec = redis.call('HGET', WAITERS, ARGV[1])
-if not rec then return 0 end
-local head, rest = string.match(rec, '^(..)\\n%d+\\n(.*)$')
-local until_ms = string.format('%.0f', clock() + tonumber(ARGV[2]))
-redis.call('HSET', WAITERS, ARGV[1], head .. '\\n' .. until_ms .. '\\n' .. rest)
-local keep = tonumber(ARGV[2]) + 60000                          -- as PARK: the line outlives it
-for _, key in ipairs({WAITERS, LINE}) do
-  if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
-end
-return 1
-"""
-
-SWEEP = _HAND_OFF + """
--- For the sweeper: pass the key on if its holder died or a reservation ran
--- out (a turn never sent, or sent longer ago than the turn timeout), and time
--- out EVERY waiter past its deadline, wherever it stands (also one whose turn
--- passed on while its copy was on its way), except the one the key is
--- reserved for: its turn came. O(waiters) per look.
--- Returns {next look (ms; 0: nobody waits), hand-offs...}.
-if redis.call('EXISTS', LINE) == 0 and redis.call('EXISTS', WAITERS) == 0 then return {0} end
-local now = clock()
-local out = {0}
-if redis.call('PTTL', LOCK) < 0 then out = hand_off(now, '', out) end
-local held = redis.call('GET', LOCK) or ''
-local pttl = redis.call('PTTL', LOCK)
-local soonest = now + 1000
-if pttl > 0 then soonest = now + pttl end
-local flat = redis.call('HGETALL', WAITERS)
-for i = 1, #flat, 2 do
-  local e, rec = flat[i], flat[i + 1]
-  local kind, state, deadline = parse(rec)
-  if string.sub(held, 1, #e + 2) ~= '~' .. e .. ' ' then
-    if deadline <= now then
-      redis.call('LREM', LINE, 1, e)
-      gone(e)
-      if kind == 't' then out[#out + 1] = {'expired', e, rec} end
-    elseif deadline < soonest then
-      soonest = deadline
-    end
-  end
-end
-if redis.call('EXISTS', WAITERS) == 0 then
-  redis.call('DEL', LINE)
-  out[1] = 0
-else
-  out[1] = soonest
-end
-return out
-"""
-
-UNBLOCK = _KEYS + """
--- ARGV[1] entry id: a task that waited in its worker slot stops waiting there (see PARK's ARGV[11]).
--- Returns 1 parked now (its message is sent when its turn comes), 2 it was woken: the key is
--- reserved for it, claim it now, 0 it was handed the key as a message (or left the line): this
--- delivery ends.
-redis.call('DEL', LOCK .. ':b:' .. ARGV[1])
-local rec = redis.call('HGET', WAITERS, ARGV[1])
-if not rec then return 0 end
-local state = string.sub(rec, 2, 2)
-if state == 'b' then
-  redis.call('HSET', WAITERS, ARGV[1], string.sub(rec, 1, 1) .. 'p' .. string.sub(rec, 3))
-  return 1
-end
-if state == 'w' then return 2 end
-return 0
-"""
-
-CONFIRM = """
--- KEYS[1] lock, KEYS[2] waiters; ARGV[1] entry id, ARGV[2] turn timeout ms.
--- The hand-off's message was sent: the sweeper must not send it again, and the
--- key stays reserved for it until it arrives, however deep the queue, up to
--- the turn timeout (a purged queue must not block the key forever). Its record
--- lives at least as long. Returns 1 marked, 0 no such handed entry.
-local rec = redis.call('HGET', KEYS[2], ARGV[1])
-if not rec or string.sub(rec, 2, 2) ~= 'h' then return 0 end
-redis.call('HSET', KEYS[2], ARGV[1], string.sub(rec, 1, 1) .. 'c' .. string.sub(rec, 3))
-local turn = tonumber(ARGV[2])
-local held = redis.call('GET', KEYS[1])
-if held and string.sub(held, 1, #ARGV[1] + 2) == '~' .. ARGV[1] .. ' ' and redis.call('PTTL', KEYS[1]) < turn then
-  redis.call('PEXPIRE', KEYS[1], turn)
-end
-if redis.call('PTTL', KEYS[2]) < turn + 60000 then redis.call('PEXPIRE', KEYS[2], turn + 60000) end
-return 1
-"""
-
-LEAVE = _HAND_OFF + """
--- ARGV[1] entry id: a waiter gives up. If the key was already reserved for
--- it, the key goes to the next in line. Returns {was reserved (1/0), hand-offs...}.
-redis.call('LREM', LINE, 1, ARGV[1])
-gone(ARGV[1])
-redis.call('DEL', LOCK .. ':wake:' .. ARGV[1])
-local held = redis.call('GET', LOCK)
-if not held or string.sub(held, 1, #ARGV[1] + 2) ~= '~' .. ARGV[1] .. ' ' then return {0} end
-redis.call('DEL', LOCK)
-return hand_off(clock(), '', {1})
-"""
-
-INDEX_ADD = """
--- KEYS[1] the waiting index; ARGV[1] a lock key with waiters: look at it now.
-local t = redis.call('TIME')
-redis.call('ZADD', KEYS[1], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[1])
-return 1
-"""
-
-INDEX_DUE = """
--- KEYS[1] the waiting index, KEYS[2] its epoch; ARGV[1] how many, ARGV[2] lease ms,
--- ARGV[3] a new epoch value, used if none is set (the data was lost, or first use).
--- Lends the keys that are due to this sweeper: other sweepers skip them until
--- the lease ends. Returns {epoch, lease score, keys...}.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('SET', KEYS[2], ARGV[3], 'NX')
-local out = {redis.call('GET', KEYS[2]), string.format('%.0f', now + tonumber(ARGV[2]))}
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
-for _, key in ipairs(due) do
-  redis.call('ZADD', KEYS[1], out[2], key)
-  out[#out + 1] = key
-end
-return out
-"""
-
-INDEX_DONE = """
--- KEYS[1] the waiting index; ARGV[1] the lease score; then pairs (key, next ms;
--- 0 to drop it). A key parked on since the lease (its score changed) is left alone.
-for i = 2, #ARGV, 2 do
-  if redis.call('ZSCORE', KEYS[1], ARGV[i]) == ARGV[1] then
-    if ARGV[i + 1] == '0' then
-      redis.call('ZREM', KEYS[1], ARGV[i])
-    else
-      redis.call('ZADD', KEYS[1], ARGV[i + 1], ARGV[i])
-    end
-  end
-end
-return 1
 """
 
 FORCE_RELEASE = _HAND_OFF + """

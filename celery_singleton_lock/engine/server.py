@@ -27,7 +27,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from ..exceptions import LockBackendUnavailable, LockError
-from . import layout, scripts, wire
+from . import layout, line_scripts, scripts, wire
 from .addresses import redact_url
 from .lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
 from .plumbing import DEFAULT_REPLICA_TIMEOUT, ScriptClient, Unreplicated
@@ -182,21 +182,30 @@ class LockServer(ScriptClient):
         token = token or secrets.token_hex(TOKEN_BYTES)
         sent = time.monotonic()
         try:
-            reply = self.run(
-                scripts.ACQUIRE,
-                self.keys_for(key),
-                (token, wire.meta(owner_id), ms(ttl), owner_id or "", entry or "", take_back,
-                 "1" if check_done else ""),
-                replicated=True,
-            )
+            if not (entry or take_back or check_done):  # a fresh delivery: the small script
+                reply = self.run(scripts.ACQUIRE_FRESH, (key, layout.line(key)), (token, wire.meta(owner_id), ms(ttl)),
+                                 replicated=True)
+            else:
+                reply = self.run(
+                    scripts.ACQUIRE,
+                    self.keys_for(key),
+                    (token, wire.meta(owner_id), ms(ttl), owner_id or "", entry or "", take_back,
+                     "1" if check_done else ""),
+                    replicated=True,
+                )
         except Unreplicated as short:
             reply = short.reply
-            if int(reply[0]) == 1:
-                self._give_back_unreplicated(Lock(self, key, token, int(reply[1]), ttl, owner_id,
-                                                  confirmed_at=sent), short.acked)
-        status = int(reply[0])
+            if type(reply) is int or int(reply[0]) == 1:
+                fence = reply if type(reply) is int else int(reply[1])
+                self._give_back_unreplicated(Lock(self, key, token, fence, ttl, owner_id, confirmed_at=sent),
+                                             short.acked)
+        if type(reply) is int:  # ACQUIRE_FRESH's reply when taken: the fence alone
+            status, fence = 1, reply
+        else:
+            status = int(reply[0])
+            fence = int(reply[1]) if status == 1 else 0
         if status == 1:
-            lock = Lock(self, key, token, int(reply[1]), ttl, owner_id, confirmed_at=sent)
+            lock = Lock(self, key, token, fence, ttl, owner_id, confirmed_at=sent)
             late = time.monotonic() - sent
             if late >= ttl / 3:
                 self._give_back(lock)
@@ -250,10 +259,12 @@ class LockServer(ScriptClient):
         if lock.pid != os.getpid():
             return Released(-2)
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
-                value if remember else b"", "1" if again else "0", str(retries), str(ms(cooldown)) if cooldown else "0",
+                value if remember else "", "1" if again else "0", str(retries), str(ms(cooldown)) if cooldown else "0",
                 str(ms(presend)) if presend else "0")
         reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args)
         lock.released = True
+        if type(reply) is int:  # deleted, and nothing else to do (no line, no success to remember)
+            return Released(reply)
         handoffs = tuple(Handoff.parse(lock.key, item) for item in reply[1:])
         self.dispatch(handoffs)
         return Released(int(reply[0]), handoffs)
@@ -310,7 +321,7 @@ class LockServer(ScriptClient):
         """The hand-off's message for ``entry`` was sent: no sweeper sends it again, and the key stays
         reserved for it until it arrives (up to ``turn_timeout``), however slow the broker."""
         key = slot_safe(name)
-        return bool(self.run(scripts.CONFIRM, (key, layout.waiters(key)), (entry, ms(self.turn_timeout))))
+        return bool(self.run(line_scripts.CONFIRM, (key, layout.waiters(key)), (entry, ms(self.turn_timeout))))
 
     def dispatch(self, handoffs: Iterable[Handoff]) -> None:
         """Send the waiting tasks the key was passed to (plain waiters were woken by the script)."""

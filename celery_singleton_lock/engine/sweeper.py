@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from ..exceptions import LockError
-from . import layout, scripts
+from . import layout, line_scripts
 from .line import SWEEP_BATCH, SWEEP_INTERVAL, SWEEP_LEASE, sweep
 from .lock import Handoff, ms, slot_safe
 from .server import LockServer
@@ -110,7 +110,7 @@ class Sweeper:
         made = 0
         while True:
             reply = server.run(
-                scripts.INDEX_DUE, (index, index + ":epoch"), (SWEEP_BATCH, ms(SWEEP_LEASE), uuid.uuid4().hex)
+                line_scripts.INDEX_DUE, (index, index + ":epoch"), (SWEEP_BATCH, ms(SWEEP_LEASE), uuid.uuid4().hex)
             )
             text = [x.decode() if isinstance(x, bytes) else str(x) for x in reply]
             epoch, lease, keys = text[0], text[1], text[2:]
@@ -129,7 +129,7 @@ class Sweeper:
                 looks.append((key, next_ms))
             if looks:
                 flat = [x for key, when in looks for x in (key, str(when))]
-                server.run(scripts.INDEX_DONE, (index,), (lease, *flat))
+                server.run(line_scripts.INDEX_DONE, (index,), (lease, *flat))
             if len(keys) < SWEEP_BATCH:
                 return made
 
