@@ -15,6 +15,8 @@ The design is etcd's concurrency package:
   put K on the session's lease; else read who holds it;
 * **release** is one txn: ``create_revision(K) == ours`` -> delete K (and keep a done record on
   a lease of its own when asked), so only the holder's own incarnation of the key is ever deleted;
+* an acquire whose reply never came is settled later, so its put, if it lands late, never keeps a
+  lock nobody holds (:mod:`.etcd_txn`);
 * **fencing**: ``fencing_token`` is K's create revision. Raft orders every write of the cluster,
   so the next holder's revision is strictly greater, across leader changes too.
 
