@@ -52,6 +52,7 @@ def test_url_with_several_endpoints_tls_and_credentials():
     ("etcd://h1:99999", "'h1:99999' is not host:port"),
     ("etcd://u:pw@h1:2379?timeout=soon", "timeout='soon'"),
     ("etcd://h1:2379?tls=1", "unknown option(s) tls"),
+    ("etcd://u:pw@h1:2379/2", "a path ('/2')"),
 ])
 def test_a_bad_url_names_the_bad_part_and_never_the_password(url, bad):
     with pytest.raises(ValueError) as info:
