@@ -52,6 +52,7 @@ def test_url_with_several_endpoints_tls_and_credentials():
     ("etcd://h1:99999", "'h1:99999' is not host:port"),
     ("etcd://u:pw@h1:2379?timeout=soon", "timeout='soon'"),
     ("etcd://h1:2379?tls=1", "unknown option(s) tls"),
+    ("etcd://u:pw@h1:2379/2", "a path ('/2')"),
 ])
 def test_a_bad_url_names_the_bad_part_and_never_the_password(url, bad):
     with pytest.raises(ValueError) as info:
@@ -253,3 +254,46 @@ def test_a_forked_child_gets_its_own_connections_and_session(etcd_server):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert server.renew(parent_lock) and server.release(parent_lock).status == 1
+
+
+@pytest.mark.slow
+def test_an_acquire_that_lands_late_never_leaves_a_lock_behind(etcd_cluster):
+    """An acquire sent to a member that is paused times out; the key is taken, used and released
+    through the other members; then the member resumes and the old put may land, late (it did, in
+    the cluster test's history). Without a guard that put holds the key on a lease its process keeps
+    alive for its other locks, forever. A retry naming the lost attempt (``retake``, as a task's
+    re-send does) tombs it first, so it lands on nothing; without such a retry, the process settles
+    its attempts in doubt on its next acquire or renewal round: the key it took late is deleted.
+    Whether Go's gateway still applies a request whose client left is its business, so the landing
+    is played here deterministically: the very txn the lost attempt sent, sent again."""
+    from celery_singleton_lock.engine import layout
+    from celery_singleton_lock.engine.lock import slot_safe
+    from celery_singleton_lock.topologies.etcd_txn import _compare_create, _put, _value, not_tombed
+
+    paused, *others = etcd_cluster.members
+    late = EtcdLockServer.from_url(f"etcd://{paused.endpoint}?timeout=1")
+    rest = EtcdLockServer.from_url("etcd://" + ",".join(m.endpoint for m in others))
+    assert isinstance(late.acquire(new_name(), 5), Lock)  # connected, with a session kept for other locks
+    session = late.session(5)
+    for retry_names_it in (False, True):
+        name, token = new_name(), uuid.uuid4().hex
+        paused.pause()
+        try:
+            with pytest.raises(LockBackendUnavailable):
+                late.acquire(name, 5, token=token, retake="")
+            lock = rest.acquire(name, 5, retake=token if retry_names_it else "")
+            assert isinstance(lock, Lock) and rest.release(lock)
+        finally:
+            paused.resume()
+        wait_until(paused.healthy, 20, 0.1, "the paused member back")
+        key = slot_safe(name)
+        landing = rest.transport.txn(  # the lost attempt's txn, applied late
+            [_compare_create(layout.etcd_lock(key), 0), not_tombed(key, token)],
+            [_put(layout.etcd_lock(key), _value(token, session.ttl, None), session.lease)], [], key)
+        if retry_names_it:
+            assert not landing.get("succeeded"), "the retry tombed the lost attempt: it lands on nothing"
+        else:  # landed: played here, or the real one already did (then the played one found it held)
+            assert rest.holder(name).raw.startswith(token + " "), landing
+            late.renew_many([])  # the next renewal round settles the attempt in doubt
+        assert rest.holder(name) is None
+        assert isinstance(rest.acquire(name, 5), Lock)

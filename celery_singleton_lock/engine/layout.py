@@ -62,7 +62,8 @@ ZSET of lock keys that have waiters, scored by when to look at them next, and
 On etcd (:mod:`celery_singleton_lock.topologies.etcd`) a lock ``K`` is the key ``ETCD_LOCKS + K``,
 ``"<token> <ttl ms> <json: owner, host, pid>"``, put on its process's session lease; its fencing
 token is the key's create revision. A done record is ``ETCD_DONE + K + "/" + <owner id>``, holding
-what the body returned, on a lease of its own.
+what the body returned, on a lease of its own; ``ETCD_ROOT + "tomb/" + K + "/" + <token>`` the tombstone
+of an acquire attempt whose reply never came (see :mod:`celery_singleton_lock.topologies.etcd_txn`).
 
 Quorum mode (one plain Redis per member) adds ``K:f``, the member's fencing floor, and
 ``K:x:<token>``, a release's tombstone for an acquire still on its way (see
@@ -144,6 +145,11 @@ ETCD_DONE = ETCD_ROOT + "done/"
 def etcd_lock(key: str) -> str:
     """etcd: the lock key of ``key``."""
     return ETCD_LOCKS + key
+
+
+def etcd_tomb(key: str, token: str) -> str:
+    """etcd: the tombstone of an acquire attempt in doubt (``token``'s), under ``key``."""
+    return f"{ETCD_ROOT}tomb/{key}/{token}"
 
 
 def etcd_done(key: str, owner: str) -> str:

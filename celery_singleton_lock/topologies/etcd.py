@@ -15,6 +15,8 @@ The design is etcd's concurrency package:
   put K on the session's lease; else read who holds it;
 * **release** is one txn: ``create_revision(K) == ours`` -> delete K (and keep a done record on
   a lease of its own when asked), so only the holder's own incarnation of the key is ever deleted;
+* an acquire whose reply never came is settled later, so its put, if it lands late, never keeps a
+  lock nobody holds (:mod:`.etcd_txn`);
 * **fencing**: ``fencing_token`` is K's create revision. Raft orders every write of the cluster,
   so the next holder's revision is strictly greater, across leader changes too.
 
@@ -34,11 +36,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..engine import layout, wire
+from ..engine import layout
 from ..engine.lock import Done, Holder, Lock, Released, Verdict, check_ttl, slot_safe
 from ..engine.server import TOKEN_BYTES, HandoffSender
 from ..exceptions import LockBackendUnavailable, LockError
 from .etcd_session import DoneLeases, LeaseGone, Session, Sessions, Transport, b64, lease_ttl, parse_etcd_url, unb64
+from .etcd_txn import LATE, Doubts, _compare_create, _compare_value, _kvs, _put, _range, _value, not_tombed, tomb
 
 FRESH_FOR = 1 / 6
 """A session confirmed less than this share of its TTL ago needs no keep-alive in a renewal round:
@@ -48,33 +51,6 @@ deadline."""
 VERIFY_UP_TO = 128
 """A renewal round of at most this many locks also reads their keys (one txn: etcd's default limit of
 operations per txn); a larger round only keeps the lease alive (see renew_many)."""
-
-
-def _value(token: str, lease_seconds: float, owner_id: str | None) -> str:
-    """The lock key's value: ``"<token> <lease ms> <json: owner, host, pid>"`` (the same bytes again for
-    the same token, owner and process: what a release compares)."""
-    return f"{token} {int(lease_seconds * 1000)} {wire.meta(owner_id)}"
-
-
-def _compare_value(key: str, value: str) -> dict[str, Any]:
-    return {"key": b64(key), "target": "VALUE", "result": "EQUAL", "value": b64(value)}
-
-
-def _compare_create(key: str, revision: int) -> dict[str, Any]:
-    return {"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": str(revision)}
-
-
-def _put(key: str, value: str | bytes, lease: int) -> dict[str, Any]:
-    return {"request_put": {"key": b64(key), "value": b64(value), "lease": str(lease)}}
-
-
-def _range(key: str) -> dict[str, Any]:
-    return {"request_range": {"key": b64(key)}}
-
-
-def _kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
-    kvs: list[dict[str, Any]] = (response.get("response_range") or {}).get("kvs") or []
-    return kvs
 
 
 class EtcdLockServer:
@@ -95,6 +71,7 @@ class EtcdLockServer:
         """Plain reads and writes that take no lock (beat's run record)."""
         self._registry = Sessions()  # shared with the twins
         self._done_leases = DoneLeases()
+        self._doubts = Doubts()  # shared with the twins: acquires whose reply never came
         self._twins: dict[float, EtcdLockServer] = {}
 
     @classmethod
@@ -152,6 +129,8 @@ class EtcdLockServer:
         take_back = retake if retake is not None else (token or "")
         token = token or secrets.token_hex(TOKEN_BYTES)
         session = self.session(ttl)
+        if self._doubts:
+            self._doubts.settle(self.transport, self._done_leases)
         for attempt in (1, 2):
             session.ensure(self.transport, fresh_for=session.ttl * FRESH_FOR)
             try:
@@ -160,19 +139,27 @@ class EtcdLockServer:
                 session.drop(session.lease, "its etcd lease expired")
                 if attempt == 2:
                     raise
+            except LockBackendUnavailable:  # its put may still land, late: settled soon (etcd_txn)
+                self._doubts.add(key, token, _value(token, session.ttl, owner_id))
+                raise
         raise AssertionError("unreachable")
 
     def _try(self, session: Session, key: str, token: str, take_back: str, owner_id: str | None,
              check_done: bool) -> Lock | Holder | Verdict | Done:
         lock_key, lease, confirmed = layout.etcd_lock(key), session.lease, session.confirmed_at
         value = _value(token, session.ttl, owner_id)
-        compare = [_compare_create(lock_key, 0)]
+        compare = [_compare_create(lock_key, 0), not_tombed(key, token)]
         failure = [_range(lock_key)]
         if check_done and owner_id:
             done_key = layout.etcd_done(key, owner_id)
             compare.append({"key": b64(done_key), "target": "VERSION", "result": "EQUAL", "version": "0"})
             failure.append(_range(done_key))
-        reply = self.transport.txn(compare, [_put(lock_key, value, lease)], failure, key)
+        success = [_put(lock_key, value, lease)]
+        if take_back and take_back != token:  # the lost attempt's put, if it is still on its way, lands on a tomb
+            tombstone = _put(tomb(key, take_back), b"", self._done_leases.lease_for(self.transport, LATE))
+            success.append(tombstone)
+            failure.append(tombstone)
+        reply = self.transport.txn(compare, success, failure, key)
         if reply.get("succeeded"):
             return self._handle(session, key, token, int(reply["header"]["revision"]), owner_id, confirmed)
         responses = reply.get("responses") or []
@@ -185,6 +172,7 @@ class EtcdLockServer:
         holder = self._holder(key, held[0])
         held_token = holder.raw.partition(" ")[0]
         if held_token and held_token in (token, take_back):  # ours: an attempt whose reply was lost
+            self._doubts.forget(key, held_token)
             return self._take_back(session, key, token, holder, value, owner_id, confirmed)
         return holder
 
@@ -258,6 +246,8 @@ class EtcdLockServer:
         as of the keep-alive's send time; on a lease found gone, every lock on it is lost. A round of
         at most VERIFY_UP_TO locks also reads their keys in one txn, so a lock deleted from outside
         (an operator's ``celery locks release``) is found lost at once, as on Redis."""
+        if self._doubts:  # acquires whose reply never came: tombed, and their key deleted if it landed
+            self._doubts.settle(self.transport, self._done_leases)
         by_session: dict[int, tuple[Session, bool | LockError]] = {}
         out: list[bool | LockError] = []
         for lock in locks:

@@ -50,6 +50,9 @@ def parse_etcd_url(url: str) -> dict[str, Any]:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"etcd URL {shown}: {item.strip() or '(empty)'!r} is not host:port")
         endpoints.append((host.strip("[]"), int(port)))
+    if parts.path not in ("", "/"):
+        raise ValueError(f"etcd URL {shown}: a path ({parts.path!r}) means nothing to etcd; the locks live under "
+                         "their own key prefix")
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     unknown = set(query) - {"timeout", "ca_cert", "cert_cert", "cert_key"}
     if unknown:
