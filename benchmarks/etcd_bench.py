@@ -131,3 +131,45 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# -- for benchmarks/run.py and report.py: one section and its goals in RESULTS.md ---------------------
+
+
+def render(res: dict[str, Any], table: Any) -> str:
+    """The etcd section: per-task cost and keep-alive cost, etcd beside Redis, from one run."""
+    rows = []
+    for name in ("redis", "etcd"):
+        r = res.get(name)
+        if not r:
+            continue
+        k = r["keepalive"]
+        per_period = k.get("keepalives_per_period")
+        rows.append([name, f"{r['per_task']['p50_us']:.0f}", f"{r['per_task']['p99_us']:.0f}",
+                     f"{k['cpu_percent_of_a_core']:.2f} %", f"{k['locks']:,}",
+                     "one keep-alive per lease" if per_period is None else f"{per_period:g} keep-alives",
+                     str(k["lost"])])
+    return ("**etcd against Redis** (benchmarks/etcd_bench.py, one process, a private redis-server and a private "
+            "one-member etcd that fsyncs its log; per-task cost = one acquire + release of a fresh key, µs; "
+            "keep-alive cost = the process's CPU while one watchdog keeps the locks alive, over two TTLs of 3 s; "
+            "hand-off latency: not applicable, etcd keeps no waiting line yet)\n\n"
+            + table(["backend", "acquire + release p50 µs", "p99 µs", "CPU, locks held", "locks held",
+                     "renewals per period (a third of the TTL)", "lost"], rows))
+
+
+def goals(res: dict[str, Any]) -> list[dict[str, Any]]:
+    etcd, red = res.get("etcd"), res.get("redis")
+    if not etcd:
+        return []
+    k = etcd["keepalive"]
+    ratio = etcd["per_task"]["p50_us"] / red["per_task"]["p50_us"] if red else None
+    return [{
+        "goal": "etcd keep-alive (one keep-alive per period, < 2 % of a core with 10,000 locks held)",
+        "met": k.get("keepalives_per_period") is not None and k["keepalives_per_period"] <= 1.05
+               and k["cpu_percent_of_a_core"] < 2 and k["lost"] == 0,
+        "figure": (f"{k.get('keepalives_per_period')} keep-alives per period, {k['cpu_percent_of_a_core']:.2f} % "
+                   f"of a core with {k['locks']:,} locks held, {k['lost']} lost; per-task cost on etcd "
+                   f"{etcd['per_task']['p50_us']:.0f} µs p50"
+                   + (f", {ratio:.1f}× Redis's {red['per_task']['p50_us']:.0f} µs (a consensus write is fsynced "
+                      "by the etcd member)" if ratio else "") + "."),
+    }]

@@ -14,6 +14,8 @@ The tasks all take ``(sku, seq, body_s, ...)``, sleep ``body_s`` under a lock on
 
 ``hot.ours``      LockedTask, ``lock_key=["sku"]``, ``on_duplicate="retry"`` and nothing
                   else tuned: a duplicate parks in the key's line and is handed the key
+``hot.ours_slot`` the same with ``lock_wait_in_slot=0.05``: a duplicate first waits 50 ms in its
+                  worker slot, woken there by the release (the hot-key fast path)
 ``hot.plain``     no lock at all: Celery's own publish -> body start latency (the baseline)
 ``hot.backoff``   LockedTask, ``on_duplicate="backoff"`` with its defaults: the old
                   policy, re-published with jittered exponential back-off
@@ -98,6 +100,12 @@ def _body(variant: str, seq: int, body_s: float, gate: str, waited: int = 0) -> 
 @app.task(name="hot.ours", base=LockedTask, lock_key=["sku"], on_duplicate="retry")
 def hot_ours(sku: str, seq: int, body_s: float, gate: str = "") -> int:
     return _body("ours", seq, body_s, gate)
+
+
+@app.task(name="hot.ours_slot", base=LockedTask, lock_key=["sku"], on_duplicate="retry", lock_wait_in_slot=0.05)
+def hot_ours_slot(sku: str, seq: int, body_s: float, gate: str = "") -> int:
+    """As hot.ours, with ``lock_wait_in_slot=0.05``: a duplicate first waits 50 ms in its worker slot."""
+    return _body("ours-slot", seq, body_s, gate)
 
 
 @app.task(name="hot.plain")

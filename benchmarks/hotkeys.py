@@ -208,15 +208,15 @@ class HotCluster:
             node.resume()
 
 
-def handoff_latency(cluster: HotCluster, n: int, body_s: float) -> dict[str, Any]:
+def handoff_latency(cluster: HotCluster, n: int, body_s: float, variant: str = "ours") -> dict[str, Any]:
     """Release (holder's body end) -> next waiter's body start, on the first node only."""
     rec = cluster.records
-    task = cluster.app.hot_ours
+    task = {"ours": cluster.app.hot_ours, "ours-slot": cluster.app.hot_ours_slot}[variant]
     node = cluster.nodes[0]
     gate_seq = next(_seq)
     sku = f"handoff-{gate_seq}"
     gate = node.record_dir / f"gate-{gate_seq}"
-    task.apply_async((sku, gate_seq, body_s, str(gate)), task_id=f"hot-ours-{gate_seq}", queue=HANDOFF_QUEUE)
+    task.apply_async((sku, gate_seq, body_s, str(gate)), task_id=f"hot-{variant}-{gate_seq}", queue=HANDOFF_QUEUE)
 
     def gate_holds() -> bool:
         rec.poll()
@@ -224,7 +224,7 @@ def handoff_latency(cluster: HotCluster, n: int, body_s: float) -> dict[str, Any
 
     wait_until(gate_holds, 30, 0.01, "the gate task to take the key")
     seqs = [next(_seq) for _ in range(n)]
-    ids = [f"hot-ours-{s}" for s in seqs]
+    ids = [f"hot-{variant}-{s}" for s in seqs]
     for s, tid in zip(seqs, ids, strict=True):
         task.apply_async((sku, s, body_s), task_id=tid, queue=HANDOFF_QUEUE)
 
@@ -238,16 +238,16 @@ def handoff_latency(cluster: HotCluster, n: int, body_s: float) -> dict[str, Any
 
     def all_ran() -> bool:
         rec.poll()
-        return all(("ours", s) in rec.bodies for s in seqs)
+        return all((variant, s) in rec.bodies for s in seqs)
 
     wait_until(all_ran, 30 + n * (body_s + 0.2), 0.02, "every waiter to run")
-    runs = sorted((rec.bodies[("ours", s)][0], s) for s in [gate_seq, *seqs])
+    runs = sorted((rec.bodies[(variant, s)][0], s) for s in [gate_seq, *seqs])
     gaps = [runs[i][0][0] - runs[i - 1][0][1] for i in range(1, len(runs))]
     # split at the hand-off's publish (after_task_publish in the releasing process)
     published = {tid: t for _, tid, t, _, why in rec.pubs if why == "entry"}
     to_pub, from_pub = [], []
     for i in range(1, len(runs)):
-        t = published.get(f"hot-ours-{runs[i][1]}")
+        t = published.get(f"hot-{variant}-{runs[i][1]}")
         if t is not None:
             to_pub.append(t - runs[i - 1][0][1])
             from_pub.append(runs[i][0][0] - t)
@@ -268,7 +268,7 @@ def handoff_latency(cluster: HotCluster, n: int, body_s: float) -> dict[str, Any
         wait_until(ran, 30, 0.001, "a plain task to run")
         base.append(rec.bodies[("plain", s)][0][0] - t0)
     return {
-        "celery_dispatch_ms": _ms(base),
+        "celery_dispatch_ms": _ms(base), "variant": variant,
         "n": n, "body_s": body_s, "nodes": 1, "concurrency": cluster.concurrency,
         "latency_ms": _ms(gaps),
         "release_to_publish_ms": _ms(to_pub),
@@ -284,7 +284,8 @@ def drain(cluster: HotCluster, variant: str, n: int, body_s: float, cap: float,
     """N tasks on one key, published at once while every node is frozen, drained by all of them."""
     rec = cluster.records
     app = cluster.app
-    task = {"ours": app.hot_ours, "backoff": app.hot_backoff, "rlock": app.hot_rlock}[variant]
+    task = getattr(app, {"ours": "hot_ours", "ours-slot": "hot_ours_slot", "backoff": "hot_backoff",
+                         "rlock": "hot_rlock"}[variant])
     seqs = [next(_seq) for _ in range(n)]
     sku = f"drain-{variant}-{seqs[0]}"
     ids = {f"hot-{variant}-{s}": s for s in seqs}
@@ -336,7 +337,7 @@ def drain(cluster: HotCluster, variant: str, n: int, body_s: float, cap: float,
     order: list[int] = []
     seen: set[int] = set()
     attempts: dict[int, int] = {}
-    if variant == "ours":
+    if variant in ("ours", "ours-slot"):
         for w in cmds:
             if w[0].upper() == "EVALSHA" and w[1] == PARK_SHA and len(w) > 11 and w[11] in ids:
                 s = ids[w[11]]
@@ -374,7 +375,8 @@ def drain(cluster: HotCluster, variant: str, n: int, body_s: float, cap: float,
         "wall_s": (last_end - t0) / 1e9 if finished else None,
         "elapsed_s": (stopped - t0) / 1e9, "publish_s": published_s,
         "completed": len(firsts), "gave_up": gave_up,
-        "lost": (n - len(firsts)) if finished or variant == "ours" else None,
+        "lost": (n - len(firsts)) if finished or variant.startswith("ours") else None,
+        "rate": len(firsts) / ((last_end - t0) / 1e9) if finished and last_end > t0 else None,
         "ran_twice": sum(1 for bl in firsts.values() if len(bl) > 1),
         "overlaps": overlaps,
         "publishes_client": n, "publishes_worker": len(pubs), "publishes_by_why": why,
@@ -390,15 +392,16 @@ def run(out_dir: Path, p: dict[str, Any], progress: Callable[[str], None]) -> di
     """Both hot-key measurements on one pair of nodes (the hand-off run uses the first node only)."""
     out: dict[str, Any] = {}
     with HotCluster(out_dir, p["hot_nodes"], p["hot_concurrency"]) as cluster:
-        progress(f"  hand-off latency: {p['handoff_n']} waiters, {p['handoff_body'] * 1000:g} ms body, one node "
-                 f"(prefork -c {p['hot_concurrency']})")
-        out["handoff"] = handoff_latency(cluster, p["handoff_n"], p["handoff_body"])
-        lat = out["handoff"]["latency_ms"]
-        progress(f"    p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms, max {lat['max']:.2f} ms")
+        for variant, name in (("ours-slot", "handoff_slot"), ("ours", "handoff")):
+            progress(f"  hand-off latency, {variant}: {p['handoff_n']} waiters, {p['handoff_body'] * 1000:g} ms "
+                     f"body, one node (prefork -c {p['hot_concurrency']})")
+            out[name] = handoff_latency(cluster, p["handoff_n"], p["handoff_body"], variant)
+            lat = out[name]["latency_ms"]
+            progress(f"    p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms, max {lat['max']:.2f} ms")
         drains = {}
-        variants = ("ours", "rlock", "backoff")
+        variants = ("ours-slot", "ours", "rlock", "backoff")
         for i, variant in enumerate(variants):
-            cap = p["hot_cap_ours"] if variant == "ours" else p["hot_cap"]
+            cap = p["hot_cap_ours"] if variant.startswith("ours") else p["hot_cap"]
             progress(f"  drain, {variant}: {p['hot_n']} tasks on one key, {p['hot_body'] * 1000:g} ms body, "
                      f"{p['hot_nodes']} nodes x prefork -c {p['hot_concurrency']} (cap {cap:g} s)")
             d = drain(cluster, variant, p["hot_n"], p["hot_body"], cap, progress)

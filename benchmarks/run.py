@@ -99,13 +99,14 @@ FULL = dict(
     scale_ours=(100, 1000, 10000), scale_rlock=(100, 1000, 5000), scale_seconds=30.0, scale_ttl=3.0,
     lost_ttls=(1.0, 3.0), lost_trials=20, micro_n=2000, profile_n=3000, breakdown_n=2000,
     floor_n=5000, quorum_n=2000, topo_n=10000, topo_seconds=15.0,
-    hot_nodes=2, hot_concurrency=2, hot_n=300, hot_body=0.05, hot_cap_ours=90.0, hot_cap=100.0,
+    hot_nodes=2, hot_concurrency=2, hot_n=2000, hot_body=0.001, hot_cap_ours=90.0, hot_cap=45.0,
     handoff_n=200, handoff_body=0.02,
     backlog_n=300, backlog_body=0.05, backlog_ttl=5.0, backlog_filler=0.05, backlog_brokers=("redis", "amqp"),
     backlog_prefetch=(4, 1),
     plain_procs=8, plain_rounds=20, plain_hold=0.002,
     fp_n=20000, fp_waits=(30.0, 120.0), fp_window=60.0,
     cap_seconds=6.0, cap_rounds=3, cap_procs=3, cap_conns=16,
+    etcd_ops=2000, etcd_locks=10_000,
 )
 SMOKE = dict(
     rounds=1, blocks=8, per_block=1, skip_blocks=1,
@@ -121,6 +122,7 @@ SMOKE = dict(
     plain_procs=4, plain_rounds=2, plain_hold=0.002,
     fp_n=200, fp_waits=(), fp_window=60.0,
     cap_seconds=1.0, cap_rounds=1, cap_procs=2, cap_conns=4,
+    etcd_ops=50, etcd_locks=200,
 )
 
 
@@ -300,6 +302,11 @@ def run(args: argparse.Namespace) -> int:
     results["capacity"] = capacity_run(p)
     say(f"  ours / cookbook per core: {results['capacity']['ratio']:.2f}")
 
+    say(f"11. etcd against Redis: per-task cost and keep-alive cost with {p['etcd_locks']:,} locks held")
+    results["etcd"] = etcd_run(p)
+    if results["etcd"]:
+        say(f"  etcd keep-alive: {results['etcd']['etcd']['keepalive']['cpu_percent_of_a_core']:.2f} % of a core")
+
     results["meta"]["duration_s"] = time.time() - started
     results["meta"]["loadavg_end"] = os.getloadavg()
     text = report.render(results, smoke=args.smoke)
@@ -379,6 +386,22 @@ def capacity_run(p: dict) -> dict:
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     raise RuntimeError(f"capacity.py failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+
+
+def etcd_run(p: dict) -> dict | None:
+    """benchmarks/etcd_bench.py in a process of its own; None (said so) where no etcd binary exists."""
+    import json
+
+    cmd = [sys.executable, str(BENCH_DIR / "etcd_bench.py"), "--json", "--ops", str(p["etcd_ops"]),
+           "--locks", str(p["etcd_locks"])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCH_DIR)])))
+    if proc.returncode == 2:
+        say(f"  skipped: {proc.stderr.strip()[-300:]}")
+        return None
+    if proc.returncode != 0:
+        raise RuntimeError(f"etcd_bench.py failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
 
 
 def main() -> int:
