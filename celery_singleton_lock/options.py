@@ -8,7 +8,7 @@ silently widens the key. Here:
 
 * a task option that looks like ours (``lock_*``, ``on_duplicate*``) but is
   not one fails when the task is defined, naming the closest known option;
-* an option of celery-once or celery-singleton fails the same way, naming
+* an option of celery-once, celery-singleton or celery-heimdall fails the same way, naming
   ours and pointing to the migration guide;
 * an unknown ``singleton_lock_*`` app setting is logged as a WARNING at worker
   start, with the closest known name (a setting may be meant for a newer
@@ -37,6 +37,8 @@ PEER_OPTIONS: dict[str, str] = {
     "unique_on": "celery-singleton's option: use lock_key=[...] (the argument names to key on)",
     "raise_on_duplicate": "celery-singleton's option: use on_duplicate='raise'",
     "lock_expiry": "celery-singleton's option: use lock_ttl (seconds between renewals, not the longest run)",
+    "heimdall": "celery-heimdall's option: its unique=True is our default (on_duplicate='skip'), or "
+                "lock_publish='raise' to refuse at publish; its key is lock_key, its unique_timeout is not lock_ttl",
 }
 """Other libraries' task options -> what to write instead."""
 

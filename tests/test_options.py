@@ -55,6 +55,7 @@ PEERS = [
     ({"once": {"graceful": True}}, "on_duplicate='skip'"),
     ({"raise_on_duplicate": True}, "on_duplicate='raise'"),
     ({"lock_expiry": 5}, "lock_ttl"),
+    ({"heimdall": {"unique": True}}, "lock_publish='raise'"),
 ]
 
 
