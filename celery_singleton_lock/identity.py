@@ -85,6 +85,14 @@ def result_missing(task: Any, request: Any) -> bool:
     return meta is not None and meta.get("status") != SUCCESS
 
 
+def succeeded(task: Any, request: Any) -> bool:
+    """Did this task id succeed already (the backend stores SUCCESS)? Asked only by a re-send of a broker
+    redelivery on a backend without a waiting line (a quorum, etcd) once it took the key: an early-acked
+    task keeps no done record, so the backend is what tells a copy of a finished call from work to do."""
+    meta = _meta(task, request)
+    return meta is not None and meta.get("status") == SUCCESS
+
+
 def ran_since_park(task: Any, request: Any) -> bool:
     """Did this waiting task start (take its turn) since it first parked?
 

@@ -38,7 +38,7 @@ from . import coalescing, config, handoff, identity, keys, options, policies, pu
 from .decide import Action, Delivery, decide
 from .engine import line as queue
 from .engine import reentry
-from .engine.lock import Done, Holder, Lock
+from .engine.lock import Done, Holder, Lock, Verdict
 from .engine.server import LockBackend, LockServer
 from .exceptions import LockBackendUnavailable, LockError, LockWaitTimeout
 from .headers import ENTRY, EXPIRED, MARKED, REDELIVERED, TOKEN
@@ -229,6 +229,9 @@ class LockedTask(Task):
                 publishing.started(self, request, key, server)
                 headers = {}
             if type(outcome) is Lock:  # the common case, first: no table to consult
+                if resent and identity.succeeded(self, request):  # (see identity.succeeded)
+                    outcome.release()
+                    policies.refuse(self, Action.DROP, request, settings, key, Verdict.ALREADY_SUCCEEDED)
                 return self._run_with(outcome, request, settings)
             if who is None:
                 who = identity.delivery(self, request, settings.on_duplicate, server.supports_line, redelivered,
@@ -256,8 +259,9 @@ class LockedTask(Task):
                 raise LockWaitTimeout(key, settings.max_wait)
             if action is Action.BACKOFF:
                 publishing.queued_again(self, request, key, server)
+                same = isinstance(outcome, Holder) and outcome.owner_id == task_id  # a copy of the running call
                 policies.backoff(self, request, args, kwargs, settings, outcome,
-                                 redelivered=who.redelivered and not who.never_ran)
+                                 redelivered=who.redelivered and (same or not who.never_ran))
                 continue
             if action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.COALESCE):
                 assert isinstance(server, LockServer)  # decide() parks only where there is a line
