@@ -344,3 +344,38 @@ def test_a_long_holder_makes_the_slot_waiter_park_and_it_runs_in_its_turn(env):
     assert dup.get(timeout=TIMEOUT)["tag"] == "late"
     assert entries(env, key)["late"]  # it came back as its turn's message
     assert_no_overlap([(r["start"], r["end"]) for r in runs(env, key)])
+
+
+def test_a_slot_waiter_killed_while_it_waits_runs_in_its_turn_from_its_parked_message(env):
+    """The worker child waiting in its slot is SIGKILLed (an early-acked message: the broker has no
+    copy). Its mark in Redis runs out, the holder's release finds it an ordinary parked task and sends
+    its message, and the call runs once, after the holder: nothing is lost."""
+    import signal
+
+    from celery_singleton_lock.engine import layout
+
+    key = _key()
+    holder = env.in_slot.delay(key, 3.0, "holder")
+    started(env, key)
+    dup = env.in_slot.delay(key, 0.0, "dup")
+    lock_key = env.in_slot.lock_key_for((key,), {})
+    locks = env.server.client(2)
+
+    def waiting_in_slot():
+        return any(layout.Waiter.parse(r).state == "b" for r in locks.hvals(layout.waiters(lock_key)))
+
+    wait_until(waiting_in_slot, TIMEOUT, what="the duplicate to wait in its worker slot")
+
+    def child_pid():
+        for tasks in (env.app.control.inspect(timeout=1.0).active() or {}).values():
+            for t in tasks:
+                if t["id"] == dup.id:
+                    return t["worker_pid"]
+        return None
+
+    os.kill(wait_until(child_pid, TIMEOUT, what="the waiting duplicate's worker child"), signal.SIGKILL)
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    wait_until(lambda: state_of(dup) == "SUCCESS", TIMEOUT, what="the killed waiter's call to run in its turn")
+    done = runs(env, key)
+    assert [r["tag"] for r in done] == ["holder", "dup"], done
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
