@@ -170,3 +170,16 @@ def test_bad_size_raises_naming_the_value(size):
         TimerWheel(0.1, size=size)
     assert repr(size) in str(info.value)
     assert "size" in str(info.value)
+
+
+def test_schedule_all_moves_every_item_to_one_tick_and_keeps_later_laps():
+    w: TimerWheel[str] = TimerWheel(0.1, size=8)
+    w.schedule("a", 0.05)
+    w.schedule("far", 2.0)  # more than one lap (0.8 s) away, in a bucket it shares with others
+    w.schedule_all(["a", "b", "c"], 0.4)  # "a" moves; "b" and "c" are new
+    assert [w.due_tick(x) for x in "abc"] == [4, 4, 4] and len(w) == 4
+    assert w.advance(0.35) == []
+    assert sorted(w.advance(0.4)) == ["a", "b", "c"]
+    w.schedule_all(["x"], 2.8)  # tick 28: the bucket of "far"'s tick 20, a lap later
+    assert w.advance(1.9) == [] and "far" in w and "x" in w
+    assert w.advance(2.0) == ["far"] and "x" in w  # only what is due leaves a shared bucket

@@ -158,6 +158,10 @@ class Lock:
     on_lost: Callable[[Lock, str], None] | None = None
     last_error: str | None = None
     """The last renewal error since the last confirmed renewal (for the loss reason)."""
+    lease: int = 0
+    """On etcd, the lease its key was put with (its session's): renewed with that lease (0 elsewhere)."""
+    renewal_parts: tuple[bytes, bytes] | None = field(default=None, repr=False)
+    """Its part of a renewal command, packed once by :func:`~celery_singleton_lock.engine.wire.pack_renewals`."""
     depth: int = 1
     """How many nested holds of its thread share this handle (see :mod:`~celery_singleton_lock.engine.reentry`):
     1 for the outermost; only the outermost exit releases."""

@@ -142,8 +142,7 @@ class ScriptClient:
         """The batched renewal: every chunk's EVALSHA packed here and sent in one write on this
         thread's held connection, then each reply read (an error reply is kept, not raised).
         redis-py's pipeline packs a 1,000-argument command in pure Python, at several times the cost."""
-        parts = [wire.pack(sha, [lk.key for lk in part], [lk.prefix for lk in part] + [ms(lk.ttl) for lk in part])
-                 for part in chunks]
+        parts = [wire.pack_renewals(sha, part) for part in chunks]
         if self.min_replicas > 0:
             parts.append(wire.pack_wait(self.min_replicas, ms(self.replica_timeout)))
         conn = self._held_conn()

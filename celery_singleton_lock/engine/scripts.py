@@ -8,6 +8,8 @@ waiters, done (``layout.lock_keys``).
 
 from __future__ import annotations
 
+from typing import Any
+
 from .fresh import ACQUIRE_FRESH as ACQUIRE_FRESH  # re-exported: the fresh delivery's ACQUIRE
 from .fresh import FRESH_RELEASE
 
@@ -233,22 +235,32 @@ return hand_off(now, drop, {deleted})
 """
 
 RENEW_MANY = """
--- KEYS[i] lock keys; ARGV[i] their "<token> " prefixes, ARGV[#KEYS+i] ttls ms
+-- KEYS[i] lock keys; ARGV[2i-1] the i-th key's "<token> " prefix, ARGV[2i] its ttl ms
+-- (side by side: the watchdog packs each lock's pair once, see wire.pack_renewals).
 -- Sets each ttl (replaces it, does not add) while the token still holds it.
--- Returns one entry per key: 1 renewed, 0 not the owner (gone or taken).
+-- Returns ONE string, a character per key: '1' renewed, '0' not the owner (gone or
+-- taken); a 500-element array would cost the client more to read than Redis to run.
 local out = {}
-local n = #KEYS
-for i = 1, n do
+for i = 1, #KEYS do
+  local prefix = ARGV[2 * i - 1]
   local held = redis.call('GET', KEYS[i])
-  if held and string.sub(held, 1, #ARGV[i]) == ARGV[i] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[n + i])
-    out[i] = 1
+  if held and string.sub(held, 1, #prefix) == prefix then
+    redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+    out[i] = '1'
   else
-    out[i] = 0
+    out[i] = '0'
   end
 end
-return out
+return table.concat(out)
 """
+
+
+def renewed(reply: Any) -> list[bool]:
+    """RENEW_MANY's reply read: one flag per key, True renewed, False not the owner."""
+    if isinstance(reply, str):  # a client that decodes replies
+        reply = reply.encode()
+    return [c == 49 for c in reply]  # b"1"
+
 
 FORCE_RELEASE = _HAND_OFF + """
 -- For operators (`celery locks release`): delete the lock whoever holds it, then

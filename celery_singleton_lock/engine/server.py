@@ -278,7 +278,7 @@ class LockServer(ScriptClient):
             reply = self.run(scripts.RENEW_MANY, (lock.key,), (lock.prefix, ms(lock.ttl)), replicated=True)
         except Unreplicated as short:
             raise LockBackendUnavailable(self.url, self._unreplicated_reason(short.acked)) from None
-        ok = bool(reply[0] == 1)
+        ok = scripts.renewed(reply)[0]
         if ok:
             lock.confirmed_at = sent
             lock.last_error = None
@@ -309,12 +309,12 @@ class LockServer(ScriptClient):
             if isinstance(reply, Exception):
                 out.extend([self.error(reply, part[0].key)] * len(part))
                 continue
-            for lock, flag in zip(part, reply, strict=False):
-                ok = int(flag) == 1
+            flags = scripts.renewed(reply)
+            for lock, ok in zip(part, flags, strict=False):
                 if ok:
                     lock.confirmed_at = sent
                     lock.last_error = None
-                out.append(ok)
+            out.extend(flags)
         return out
 
     def confirm(self, name: str, entry: str) -> bool:

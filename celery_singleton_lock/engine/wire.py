@@ -44,6 +44,34 @@ def _pack_bytes(sha: str, keys: Sequence[str], args: Sequence[Any]) -> bytes:
     return b"".join(parts)
 
 
+def pack_renewals(sha: str, locks: Sequence[Any]) -> bytes:
+    """``EVALSHA`` of RENEW_MANY over ``locks`` (each with ``key``, ``prefix``, ``ttl``).
+
+    A lock's key, prefix and TTL never change, so its part of the command is packed once, on
+    its first renewal, and kept on it (``renewal_parts``): a round of 10,000 locks is then a join
+    of bytes, not 30,000 arguments formatted again every period.
+    """
+    keys: list[bytes] = []
+    args: list[bytes] = []
+    for lock in locks:
+        parts = lock.renewal_parts
+        if parts is None:
+            parts = lock.renewal_parts = _renewal_parts(lock)
+        keys.append(parts[0])
+        args.append(parts[1])
+    n = str(len(locks))
+    head = f"*{3 + 3 * len(locks)}\r\n$7\r\nEVALSHA\r\n$40\r\n{sha}\r\n${len(n)}\r\n{n}\r\n"
+    return head.encode() + b"".join(keys) + b"".join(args)
+
+
+def _renewal_parts(lock: Any) -> tuple[bytes, bytes]:
+    """A lock's key, and its (prefix, ttl ms) pair, in RESP: RENEW_MANY's ARGV takes them side by side."""
+    key, prefix = lock.key.encode(), lock.prefix.encode()
+    ttl = str(max(1, int(round(lock.ttl * 1000)))).encode()  # lock.ms, spelt here (wire imports nothing)
+    return (b"$%d\r\n%s\r\n" % (len(key), key),
+            b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(prefix), prefix, len(ttl), ttl))
+
+
 def pack_wait(replicas: int, timeout_ms: int) -> bytes:
     """``WAIT replicas timeout`` in RESP."""
     n, t = str(replicas).encode(), str(timeout_ms).encode()

@@ -266,8 +266,7 @@ class _Renewal:
         """Write one node's pipeline (one EVALSHA per slot chunk, then WAIT if replicas are required)."""
         server, locks, chunk = self.server, self.locks, self.chunk
         parts = [idx[j : j + chunk] for idx in slots.values() for j in range(0, len(idx), chunk)]
-        data = b"".join(wire.pack(sha, [locks[i].key for i in part],
-                                  [locks[i].prefix for i in part] + [ms(locks[i].ttl) for i in part]) for part in parts)
+        data = b"".join(wire.pack_renewals(sha, [locks[i] for i in part]) for part in parts)
         if server.min_replicas > 0:
             data += wire.pack_wait(server.min_replicas, ms(server.replica_timeout))
         conn = None
@@ -324,7 +323,7 @@ class _Renewal:
         """A chunk whose slot moved: sent once more on its own, following the redirect."""
         server, locks = self.server, self.locks
         keys = [locks[i].key for i in part]
-        args = [locks[i].prefix for i in part] + [ms(locks[i].ttl) for i in part]
+        args = [a for i in part for a in (locks[i].prefix, ms(locks[i].ttl))]  # side by side (RENEW_MANY)
         try:
             self._ok(part, server.run(scripts.RENEW_MANY, keys, args, replicated=True))
         except Unreplicated as short_reply:
@@ -333,8 +332,7 @@ class _Renewal:
             self._fail(part, exc)
 
     def _ok(self, part: list[int], reply: Any) -> None:
-        for i, flag in zip(part, reply, strict=False):
-            renewed = int(flag) == 1
+        for i, renewed in zip(part, scripts.renewed(reply), strict=False):
             if renewed:
                 self.locks[i].confirmed_at = self.sent
                 self.locks[i].last_error = None

@@ -193,7 +193,8 @@ class EtcdLockServer:
                 confirmed: float) -> Lock:
         """The handle of a lock put on ``session``'s lease: trusted as long as the lease lives (its
         last confirmation plus its TTL), renewed with the session."""
-        lock = Lock(self, key, token, revision, float(session.ttl), owner_id, confirmed_at=confirmed)
+        lock = Lock(self, key, token, revision, float(session.ttl), owner_id, confirmed_at=confirmed,
+                    lease=session.lease)
         session.locks.add(lock)
         if time.monotonic() >= lock.deadline - lock.ttl / 3:  # no time left for the first keep-alive
             self.release(lock)
@@ -248,20 +249,28 @@ class EtcdLockServer:
         (an operator's ``celery locks release``) is found lost at once, as on Redis."""
         if self._doubts:  # acquires whose reply never came: tombed, and their key deleted if it landed
             self._doubts.settle(self.transport, self._done_leases)
-        by_session: dict[int, tuple[Session, bool | LockError]] = {}
+        pid = os.getpid()
+        kept: dict[int, bool | LockError] = {}  # each session's keep-alive, sent once
         out: list[bool | LockError] = []
-        for lock in locks:
-            session = self.session(lock.ttl)
-            if lock.pid != os.getpid() or lock not in session.locks:  # a parent's, or on a lease that is gone
+        ttl, lease, result, confirmed = -1.0, 0, None, 0.0
+        for lock in locks:  # a round's locks share a session or two: looked up when the TTL changes
+            if lock.ttl != ttl:
+                ttl = lock.ttl
+                session = self.session(ttl)
+                lease, result = session.lease, None
+            if lock.lease != lease or lock.released or lock.pid != pid:  # a lease gone since, or a parent's
                 out.append(False)
                 continue
-            state = by_session.get(id(session))
-            if state is None:
-                state = by_session[id(session)] = (session, self._keep(session))
-            result = state[1]
+            if result is None:
+                result = kept.get(lease)
+                if result is None:
+                    result = kept[lease] = self._keep(session)
+                confirmed = session.confirmed_at
             if result is True:
-                lock.confirmed_at = max(lock.confirmed_at, session.confirmed_at)
-                lock.last_error = None
+                if lock.confirmed_at < confirmed:
+                    lock.confirmed_at = confirmed
+                if lock.last_error is not None:
+                    lock.last_error = None
             out.append(result)
         alive = [i for i, result in enumerate(out) if result is True]
         if 0 < len(alive) <= VERIFY_UP_TO:

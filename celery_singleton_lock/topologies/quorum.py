@@ -313,8 +313,8 @@ class QuorumLockServer:
         chunks = [locks[i : i + chunk] for i in range(0, len(locks), chunk)]
         sent = time.monotonic()
 
-        commands = [([lk.key for lk in part], [lk.prefix for lk in part] + [ms(lk.ttl) for lk in part])
-                    for part in chunks]
+        commands = [([lk.key for lk in part], [a for lk in part for a in (lk.prefix, ms(lk.ttl))])
+                    for part in chunks]  # RENEW_MANY's arguments: each lock's prefix and ttl side by side
         per_member = [self._flat(chunks, r) for r in self._fan_out(scripts.RENEW_MANY, commands, self._answered)]
         out: list[bool | LockError] = []
         for i, lock in enumerate(locks):
@@ -340,7 +340,7 @@ class QuorumLockServer:
         replies = answer if len(chunks) > 1 else [answer]
         flat: list[Any] = []
         for part, reply in zip(chunks, replies, strict=True):
-            flat.extend([reply] * len(part) if isinstance(reply, Exception) else [int(f) == 1 for f in reply])
+            flat.extend([reply] * len(part) if isinstance(reply, Exception) else scripts.renewed(reply))
         return flat
 
     def force_release(self, key: str, expected: str = "") -> tuple[int, bytes, int]:

@@ -9,14 +9,15 @@ locks (python-redis-lock starts a thread per lock):
   fixed schedule of ticks (a slow batch or a late wake-up does not stretch the
   period), which leaves two more tries before its deadline;
 * on each tick, every due lock is renewed in ONE pipelined round trip per
-  Redis server (``LockServer.renew_many``, chunked), on a connection pool of
-  the watchdog's own with short socket timeouts; a server that failed last
-  round goes last, so it cannot delay the healthy ones;
+  Redis server (``LockServer.renew_many``, chunked; each lock's part of the
+  command packed once), on a connection pool of the watchdog's own with short
+  socket timeouts; a server that failed last round goes last, so it cannot
+  delay the healthy ones. The renewed are rescheduled together, per TTL;
 * "not owner" means lost at once; a transport error or a failed chunk means
   try again on the next tick (the locks of a chunk Redis refused are retried
-  alone, so one bad key cannot take its chunk-mates down). A lock whose
-  deadline (:mod:`~celery_singleton_lock.engine.timing`) passes unconfirmed is lost,
-  even while Redis is unreachable: deadlines are checked on every tick.
+  alone, so one bad key cannot take its chunk-mates down). A lock is never due
+  after its deadline (:mod:`~celery_singleton_lock.engine.timing`), so one that
+  passes it unconfirmed is found lost on time, even while Redis is unreachable.
 
 A lost lock is marked on its handle (``.lost``, ``.ensure()`` raises
 :class:`LockLost`) and never renewed again; its ERROR line and its ``on_lost``
@@ -33,8 +34,6 @@ The watchdog knows the lock engine and nothing of Celery.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import math
 import os
@@ -93,8 +92,6 @@ class Watchdog:
         self._cond = threading.Condition()
         self._wheel: TimerWheel[Lock] = TimerWheel(self.tick, start=time.monotonic())
         self._tracked: set[Lock] = set()
-        self._deadlines: list[tuple[float, int, Lock]] = []  # a heap; stale entries are skipped
-        self._seq = itertools.count()
         self._in_flight: set[Lock] = set()
         self._failing: dict[Backend, list[float]] = {}  # server -> [failing since, last warned]
         self._suspects: set[Lock] = set()  # in a chunk that Redis refused: renewed alone until it works
@@ -155,9 +152,10 @@ class Watchdog:
                 return
             self._start_thread()
             self._tracked.add(lock)
-            due = lock.confirmed_at + lock.ttl / 3
+            # due TTL/3 after the acquire was sent, and never after its deadline: the wheel is also
+            # what finds a lock lost by the clock (a lock is always in it unless its round is in flight)
+            due = min(lock.confirmed_at + lock.ttl / 3, lock.deadline)
             self._wheel.schedule(lock, due)
-            heapq.heappush(self._deadlines, (lock.deadline, next(self._seq), lock))
             if due < self._idle_until:
                 # an idle thread sleeps up to IDLE_WAIT: wake it only if this lock cannot wait
                 # that long (a wake-up per task would cost more than the rest of track)
@@ -260,7 +258,6 @@ class Watchdog:
                     self._cond.wait(wake - now)
                     continue  # recheck: stopping, woken early by a track, or on time
                 due = self._wheel.advance(now)
-                self._check_deadlines(now)
                 if not due:
                     continue
                 round_time = self._wheel.time_of(self._wheel.current - 1)  # this tick's instant, <= now
@@ -281,18 +278,6 @@ class Watchdog:
                     self._in_flight.difference_update(due)
                     self._cond.notify_all()
 
-    def _check_deadlines(self, now: float) -> None:
-        """Declare lost every tracked lock whose deadline passed (under the condition)."""
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            _, _, lock = heapq.heappop(heap)
-            if lock not in self._tracked:
-                continue
-            if lock.deadline > now:  # renewed since: one entry per lock, moved to its new deadline
-                heapq.heappush(heap, (lock.deadline, next(self._seq), lock))
-                continue
-            self._lose(lock, self._overdue_reason(lock, now - lock.deadline))
-
     def _lose(self, lock: Lock, reason: str) -> None:
         """Stop tracking ``lock`` and report it lost from the reporter thread (under the condition)."""
         self._tracked.discard(lock)
@@ -305,49 +290,34 @@ class Watchdog:
         """Renew what came due on one tick: one round trip per server."""
         by_server: dict[Backend, list[Lock]] = {}
         with self._cond:
-            now = time.monotonic()
+            now, tracked, server, part = time.monotonic(), self._tracked, None, []
             for lock in due:
-                if lock not in self._tracked:
+                if lock not in tracked:
                     continue  # forgotten since
-                overdue = now - lock.deadline
+                overdue = now - (lock.confirmed_at + lock.ttl - lock.margin - lock.extra_margin)  # (its deadline)
                 if overdue >= 0:
                     self._lose(lock, self._overdue_reason(lock, overdue))
-                else:
-                    by_server.setdefault(lock.server, []).append(lock)
+                    continue
+                if lock.server is not server:  # (a round's locks mostly share one server)
+                    server = lock.server
+                    part = by_server.setdefault(server, [])
+                part.append(lock)
         # servers that failed last time go last, so they cannot delay the healthy ones
         for server, locks in sorted(by_server.items(), key=lambda kv: kv[0] in self._failing):
-            # Locks whose chunk Redis refused last time (e.g. one key overwritten with
-            # another type fails its whole script) go alone, in chunks of one, so a bad
-            # key cannot take its chunk-mates down with it.
-            normal = [lock for lock in locks if lock not in self._suspects]
-            alone = [lock for lock in locks if lock in self._suspects]
+            # Locks whose chunk Redis refused last time (e.g. one key overwritten with another type fails
+            # its whole script) go alone, in chunks of one: a bad key cannot take its chunk-mates down.
+            suspects = self._suspects
+            normal = [lock for lock in locks if lock not in suspects] if suspects else locks
+            alone = [lock for lock in locks if lock in suspects] if suspects else []
             started = time.monotonic()
             results: list[bool | LockError] = []
             for part, chunk in ((normal, self.chunk), (alone, 1)):
                 if part:
                     results.extend(self._renew_on(server, part, chunk))
-            locks = normal + alone
-            failed = renewed = 0
-            first_error = None
+            locks = normal + alone if alone else normal
             with self._cond:
-                for lock, result in zip(locks, results, strict=True):
-                    self._in_flight.discard(lock)
-                    if lock not in self._tracked:
-                        continue  # forgotten meanwhile: released, never renew again
-                    if result is True:
-                        renewed += 1
-                        self._suspects.discard(lock)
-                        # TTL/3 after this tick's instant (<= the send time): a fixed period
-                        self._wheel.schedule(lock, round_time + lock.ttl / 3)
-                    elif result is False:
-                        self._lose(lock, "no longer the owner (expired, deleted or taken)")
-                    else:  # transport error or failed chunk: try again next tick, up to the deadline
-                        failed += 1
-                        first_error = first_error or result
-                        lock.last_error = str(result)
-                        if not isinstance(result, LockBackendUnavailable):
-                            self._suspects.add(lock)
-                        self._wheel.schedule(lock, time.monotonic())
+                self._in_flight.difference_update(locks)
+                failed, renewed, first_error = self._settle(locks, results, round_time)
                 self._cond.notify_all()  # a forget() may be waiting for these
             self._note_server(server, failed, renewed, len(locks), first_error)
             for hook in ROUND_HOOKS:  # e.g. the metrics module: never let one stop the renewals
@@ -355,6 +325,41 @@ class Watchdog:
                     hook(server, time.monotonic() - started, renewed, failed)
                 except Exception:
                     logger.exception("celery-singleton-lock watchdog: a round hook failed")
+
+    def _settle(self, locks: list[Lock], results: list[bool | LockError],
+                round_time: float) -> tuple[int, int, LockError | None]:
+        """Act on one server's answers (under the condition); returns (failed, renewed, first error).
+        The renewed are rescheduled together, per TTL; "not the owner" is lost; an error tries again."""
+        tracked, failed, first_error = self._tracked, 0, None
+        renewed: dict[float, list[Lock]] = {}  # ttl -> its renewed locks
+        ttl, group = -1.0, []
+        for lock, result in zip(locks, results, strict=True):
+            if lock not in tracked:
+                continue  # forgotten meanwhile: released, never renew again
+            if result is True:
+                if lock.ttl != ttl:  # (a round's locks mostly share one TTL)
+                    ttl = lock.ttl
+                    group = renewed.setdefault(ttl, [])
+                group.append(lock)
+            elif result is False:
+                self._lose(lock, "no longer the owner (expired, deleted or taken)")
+            else:
+                failed += 1
+                first_error = first_error or result
+                lock.last_error = str(result)
+                if not isinstance(result, LockBackendUnavailable):
+                    self._suspects.add(lock)
+                self._wheel.schedule(lock, time.monotonic())
+        for ttl, group in renewed.items():
+            if self._suspects:
+                self._suspects.difference_update(group)
+            # TTL/3 after this tick's instant (<= the send time): a fixed period; never after a
+            # deadline that a server's extra margin (a quorum's drift) brought nearer
+            self._wheel.schedule_all(group, round_time + ttl / 3)
+            for lock in group:
+                if lock.extra_margin:
+                    self._wheel.schedule(lock, min(round_time + ttl / 3, lock.deadline))
+        return failed, sum(len(group) for group in renewed.values()), first_error
 
     def _renew_on(self, server: Backend, locks: list[Lock], chunk: int) -> list[bool | LockError]:
         """One pipelined round trip: renew_many on the server's twin."""

@@ -70,6 +70,17 @@ class TimerWheel(Generic[T]):
         self._where[item] = due
         return due
 
+    def schedule_all(self, items: list[T], when: float) -> None:
+        """(Re)schedule every one of ``items`` for the one time ``when``: a renewal round's locks of one
+        TTL, rescheduled together (the tick is worked out once, not once per lock)."""
+        due = max(self.tick_of(when), self.current)
+        bucket, where, buckets, size = self._buckets[due % self.size], self._where, self._buckets, self.size
+        for item in items:
+            old = where.get(item)
+            if old is not None:
+                del buckets[old % size][item]
+            bucket[item] = where[item] = due
+
     def cancel(self, item: T) -> bool:
         """Unschedule ``item``; False when it was not scheduled. O(1)."""
         due = self._where.pop(item, None)
@@ -93,9 +104,14 @@ class TimerWheel(Generic[T]):
             bucket = self._buckets[t % self.size]
             if not bucket:
                 continue
-            ready = [item for item, when in bucket.items() if when <= last]
+            if max(bucket.values()) <= last:  # the common case: nothing in it is a lap or more away
+                ready = list(bucket)
+                bucket.clear()
+            else:
+                ready = [item for item, when in bucket.items() if when <= last]
+                for item in ready:
+                    del bucket[item]
             for item in ready:
-                del bucket[item]
                 del self._where[item]
             due.extend(ready)
         self.current = last + 1
