@@ -366,16 +366,19 @@ def test_a_slot_waiter_killed_while_it_waits_runs_in_its_turn_from_its_parked_me
 
     wait_until(waiting_in_slot, TIMEOUT, what="the duplicate to wait in its worker slot")
 
-    def child_pid():
-        for tasks in (env.app.control.inspect(timeout=1.0).active() or {}).values():
-            for t in tasks:
-                if t["id"] == dup.id:
-                    return t["worker_pid"]
-        return None
-
-    os.kill(wait_until(child_pid, TIMEOUT, what="the waiting duplicate's worker child"), signal.SIGKILL)
+    os.kill(wait_until(lambda: worker_child_of(env, dup.id), TIMEOUT, what="the waiting duplicate's worker child"),
+            signal.SIGKILL)
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
     wait_until(lambda: state_of(dup) == "SUCCESS", TIMEOUT, what="the killed waiter's call to run in its turn")
     done = runs(env, key)
     assert [r["tag"] for r in done] == ["holder", "dup"], done
     assert_no_overlap([(r["start"], r["end"]) for r in done])
+
+
+def worker_child_of(env, task_id):
+    """The pid of the prefork child running ``task_id`` now (``inspect active``), or None."""
+    for tasks in (env.app.control.inspect(timeout=1.0).active() or {}).values():
+        for t in tasks:
+            if t["id"] == task_id:
+                return t["worker_pid"]
+    return None

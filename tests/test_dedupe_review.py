@@ -10,7 +10,7 @@ import time
 import uuid
 
 import pytest
-from test_dedupe import TIMEOUT, env, runs, started, state_of  # noqa: F401  (env: the module fixture)
+from test_dedupe import TIMEOUT, env, runs, started, state_of, worker_child_of  # noqa: F401  (env: the module fixture)
 
 from celery_singleton_lock import held
 from celery_singleton_lock.testing.servers import wait_until
@@ -113,14 +113,7 @@ def test_merged_calls_do_not_stay_waiting_when_their_waiter_run_is_killed(env):
     holder.get(timeout=TIMEOUT)
     started(env, key, 2)
 
-    def child_pid():
-        for tasks in (env.app.control.inspect(timeout=1.0).active() or {}).values():
-            for t in tasks:
-                if t["id"] == first.id:
-                    return t["worker_pid"]
-        return None
-
-    pid = wait_until(child_pid, TIMEOUT, what="the follow-up's worker child")
+    pid = wait_until(lambda: worker_child_of(env, first.id), TIMEOUT, what="the follow-up's worker child")
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: state_of(first) == "FAILURE", TIMEOUT, what="the follow-up to fail (WorkerLostError)")
     assert not runs(env, key)[1:], "the follow-up did not finish"

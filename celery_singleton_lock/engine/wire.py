@@ -13,6 +13,8 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
+from .lock import ms
+
 
 def pack(sha: str, keys: Sequence[str], args: Sequence[Any]) -> bytes:
     """``EVALSHA sha numkeys keys... args...`` in the Redis protocol (RESP).
@@ -67,7 +69,7 @@ def pack_renewals(sha: str, locks: Sequence[Any]) -> bytes:
 def _renewal_parts(lock: Any) -> tuple[bytes, bytes]:
     """A lock's key, and its (prefix, ttl ms) pair, in RESP: RENEW_MANY's ARGV takes them side by side."""
     key, prefix = lock.key.encode(), lock.prefix.encode()
-    ttl = str(max(1, int(round(lock.ttl * 1000)))).encode()  # lock.ms, spelt here (wire imports nothing)
+    ttl = str(ms(lock.ttl)).encode()
     return (b"$%d\r\n%s\r\n" % (len(key), key),
             b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(prefix), prefix, len(ttl), ttl))
 
