@@ -106,7 +106,7 @@ FULL = dict(
     plain_procs=8, plain_rounds=20, plain_hold=0.002,
     fp_n=20000, fp_waits=(30.0, 120.0), fp_window=60.0,
     cap_seconds=6.0, cap_rounds=3, cap_procs=3, cap_conns=16,
-    etcd_ops=2000, etcd_locks=10_000,
+    etcd_ops=2000, etcd_locks=10_000, etcd_handoffs=200,
 )
 SMOKE = dict(
     rounds=1, blocks=8, per_block=1, skip_blocks=1,
@@ -122,7 +122,7 @@ SMOKE = dict(
     plain_procs=4, plain_rounds=2, plain_hold=0.002,
     fp_n=200, fp_waits=(), fp_window=60.0,
     cap_seconds=1.0, cap_rounds=1, cap_procs=2, cap_conns=4,
-    etcd_ops=50, etcd_locks=200,
+    etcd_ops=50, etcd_locks=200, etcd_handoffs=20,
 )
 
 
@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     results["capacity"] = capacity_run(p)
     say(f"  ours / cookbook per core: {results['capacity']['ratio']:.2f}")
 
-    say(f"11. etcd against Redis: per-task cost and keep-alive cost with {p['etcd_locks']:,} locks held")
+    say(f"11. etcd against Redis: per-task cost, keep-alive cost with {p['etcd_locks']:,} locks held, hand-off")
     results["etcd"] = etcd_run(p)
     if results["etcd"]:
         say(f"  etcd keep-alive: {results['etcd']['etcd']['keepalive']['cpu_percent_of_a_core']:.2f} % of a core")
@@ -393,7 +393,7 @@ def etcd_run(p: dict) -> dict | None:
     import json
 
     cmd = [sys.executable, str(BENCH_DIR / "etcd_bench.py"), "--json", "--ops", str(p["etcd_ops"]),
-           "--locks", str(p["etcd_locks"])]
+           "--locks", str(p["etcd_locks"]), "--handoffs", str(p["etcd_handoffs"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCH_DIR)])))
     if proc.returncode == 2:

@@ -32,7 +32,7 @@ from . import turns
 from .engine import layout
 from .engine import sweeper as sweeping
 from .engine.lock import Handoff
-from .engine.server import HandoffSender, LockServer
+from .engine.server import HandoffSender
 from .headers import ENTRY, EXPIRED, PARKED_AT, QUEUE, RECOVERED
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -107,7 +107,7 @@ def knows_key(key: str) -> bool:
     return not any(head.startswith(prefix + ":") for prefix in _prefixes)
 
 
-def send(server: LockServer, handoff: Handoff) -> bool:
+def send(server: Any, handoff: Handoff) -> bool:
     """Publish a waiter whose turn came (or whose wait ran out): what the lock engine calls.
 
     False when no app of this process knows the task: then a sweeper elsewhere sends it.

@@ -22,7 +22,7 @@ from .decide import Action
 from .engine import line as queue
 from .engine import sweeper as sweeping
 from .engine.lock import Done, Holder, Lock, Verdict
-from .engine.server import LockServer
+from .engine.server import LockBackend, LockServer
 from .exceptions import (
     DuplicateTask,
     LockBackendUnavailable,
@@ -41,8 +41,15 @@ WAITING = "WAITING"
 end state once its turn came and it ran)."""
 
 
+def has_line(server: LockBackend, request: Any) -> bool:
+    """Whether this delivery can wait in ``server``'s line: wherever the server keeps one, except an
+    eager call on a backend with lines of its own (etcd), which has no way to block in one: it
+    backs off in place instead, as on a quorum."""
+    return server.supports_line and (isinstance(server, LockServer) or not request.is_eager)
+
+
 def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settings: config.LockSettings,
-         server: LockServer, key: str, outcome: Any, entry: str | None) -> Lock | None:
+         server: LockBackend, key: str, outcome: Any, entry: str | None) -> Lock | None:
     """Park this delivery in the key's line and end it (raises Ignore); returns None if the key was
     freed meanwhile, for the caller to try again, or the Lock if it was handed the key while it waited
     in its worker slot (``lock_wait_in_slot``), to run now."""
@@ -63,6 +70,8 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     # waits in its worker slot first (lock_wait_in_slot)
     ahead = action is Action.PARK_FIRST and (request.headers or {}).get(ENTRY) == entry
     block = settings.wait_in_slot if (action is Action.PARK or ahead) and settings.on_duplicate == "retry" else 0.0
+    if not isinstance(server, LockServer):  # waiting in a worker slot is one Redis's (BLPOP): etcd parks at once
+        block = 0.0
     place = queue.park(
         server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
         owner_id=request.id, message=message, first=first,
@@ -88,7 +97,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
             logger.warning("lock %s: could not tell the sweepers about its line: %s", key, exc)
     sweeping.get_sweeper().remember(server, key, entry, request.id, settings.ttl, message)
     sweeping.get_sweeper().watch(server, settings.index)
-    if block and not already:
+    if block and not already and isinstance(server, LockServer):
         lock = _in_slot(server, request, key, entry, settings)
         if lock is not None:
             return lock
@@ -126,7 +135,7 @@ def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: c
     return None
 
 
-def _claim(server: LockServer, request: Any, key: str, entry: str, settings: config.LockSettings) -> Lock:
+def _claim(server: LockBackend, request: Any, key: str, entry: str, settings: config.LockSettings) -> Lock:
     """Take the key reserved for ``entry``, to run now."""
     lock = server.acquire(key, settings.ttl, owner_id=request.id, entry=entry)
     if isinstance(lock, Lock):

@@ -28,6 +28,7 @@ from celery.signals import worker_init
 from celery.worker import state
 
 from . import coalescing
+from .engine import line as queue
 from .engine import line_ops
 from .exceptions import LockError
 
@@ -73,7 +74,8 @@ def take_out(app: Any, task_id: str) -> list[str]:
     left: list[str] = []
     try:
         for server, index in _lines_of(app):
-            keys = line_ops.remove_everywhere(server, index, task_id)
+            own = queue.own_line(server)
+            keys = own.remove(task_id) if own is not None else line_ops.remove_everywhere(server, index, task_id)
             for key in keys:  # a coalescing waiter's merged calls did not run: they go again
                 coalescing.send_again(app, server, key, task_id)
             left += keys

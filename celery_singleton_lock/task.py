@@ -234,8 +234,8 @@ class LockedTask(Task):
                     policies.refuse(self, Action.DROP, request, settings, key, Verdict.ALREADY_SUCCEEDED)
                 return self._run_with(outcome, request, settings)
             if who is None:
-                who = identity.delivery(self, request, settings.on_duplicate, server.supports_line, redelivered,
-                                        resent, entry)
+                who = identity.delivery(self, request, settings.on_duplicate, policies.has_line(server, request),
+                                        redelivered, resent, entry)
             if isinstance(outcome, Holder):
                 who = replace(who, holder_on_stack=self._on_my_stack(outcome.owner_id))
             action = decide(identity.found(self, request, outcome, who.recovered), who)
@@ -247,7 +247,7 @@ class LockedTask(Task):
                 return self._replay(request, outcome)
             if action is Action.AGAIN:  # its entry is gone but its run never happened or ended: as a redelivery
                 entry, redelivered = None, True
-                who = Delivery(policy=settings.on_duplicate, redelivered=True, line=server.supports_line)
+                who = Delivery(policy=settings.on_duplicate, redelivered=True, line=policies.has_line(server, request))
                 continue
             if action is Action.REENTER:
                 return self._reenter(request, key)
@@ -264,7 +264,7 @@ class LockedTask(Task):
                                  redelivered=who.redelivered and (same or not who.never_ran))
                 continue
             if action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.COALESCE):
-                assert isinstance(server, LockServer)  # decide() parks only where there is a line
+                assert server.supports_line  # decide() parks only where there is a line
                 handed = policies.park(self, action, request, args, kwargs, settings, server, key, outcome, entry)
                 if handed is not None:  # handed the key while it waited in its worker slot
                     return self._run_with(handed, request, settings)

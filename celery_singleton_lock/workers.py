@@ -34,9 +34,10 @@ def watch_app(app: Any) -> None:
         except (ValueError, LockKeyError) as exc:
             logger.warning("task %s: no sweeping of its waiting line: %s", task.name, exc)
             continue
-        if isinstance(server, LockServer) and (server, settings.index) not in seen:  # a line to sweep
+        if server.supports_line and (server, settings.index) not in seen:  # a line to sweep
             seen.add((server, settings.index))
-            persistence.check_once(server)
+            if isinstance(server, LockServer):  # (etcd's data is not lost to a restart)
+                persistence.check_once(server)
             sweeping.get_sweeper().watch(server, settings.index)
 
 

@@ -32,6 +32,7 @@ from click.testing import CliRunner
 from conftest import make_app
 
 from celery_singleton_lock import LockLost
+from celery_singleton_lock.engine import line as lines
 from celery_singleton_lock.ops.cli import duration, glob_escape, locks, parse_key
 from celery_singleton_lock.testing.servers import Monitor, free_port, wait_until
 
@@ -366,9 +367,24 @@ def test_exit_statuses_on_etcd(worker_app, etcd_server):
         rows = json.loads(celery_cli("locks", "list", "--json", env=on).stdout)
         row = next(r for r in rows if r["key"] == missing)
         assert row["task_id"] == "someone" and 0 < row["ttl_ms"] <= 30_000 and row["pid"] == os.getpid()
+        assert row["waiters"] == 0
+        # a task parked behind it: line, show, list and drop see it
+        message = b"application/json\nutf-8\n" + json.dumps({"task": "t.waits", "args": [1], "kwargs": {},
+                                                               "options": {"headers": {}}}).encode()
+        assert lines.park(held.server, missing, "e-waiter", kind="t", wait=60, ttl=30, owner_id="waiter-1",
+                          message=message) == 1
+        out = celery_cli("locks", "line", missing, "--json", env=on)
+        assert out.returncode == 0 and [r["task_id"] for r in json.loads(out.stdout)] == ["waiter-1"], out.stderr
+        out = celery_cli("locks", "show", missing, env=on)
+        assert "line      1 waiting: waiter-1" in out.stdout, (out.stdout, out.stderr)
+        rows = json.loads(celery_cli("locks", "list", "--json", env=on).stdout)
+        assert next(r for r in rows if r["key"] == missing)["waiters"] == 1
+        out = celery_cli("locks", "drop", missing, "waiter-1", "--yes", env=on)
+        assert out.returncode == 0 and "dropped from the line" in out.stdout, (out.stdout, out.stderr)
+        assert lines.line(held.server, missing) == []
     finally:
         held.release()
-    out = celery_cli("locks", "line", missing, env=on)  # no line on etcd yet: nobody waits
+    out = celery_cli("locks", "line", missing, env=on)
     assert out.returncode == 1 and "nobody waits" in out.stdout, (out.stdout, out.stderr)
     out = celery_cli("locks", "drop", missing, "some-task", "--yes", env=on)
     assert out.returncode == 1 and "nothing dropped" in out.stdout, (out.stdout, out.stderr)

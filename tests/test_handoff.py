@@ -32,6 +32,7 @@ import time
 import uuid
 
 import pytest
+from _backends import BACKENDS, backend_of, lock_store
 from _task_support import (
     ROOT,
     TIMEOUT,
@@ -44,9 +45,11 @@ from celery import chain, chord
 from celery.exceptions import WorkerLostError
 
 from celery_singleton_lock import LockContended, LockServer, LockWaitTimeout, held
+from celery_singleton_lock.engine import line as lines
 from celery_singleton_lock.engine.line import LONGEST_BLOCK, SWEEP_INTERVAL, SWEEP_LEASE
 from celery_singleton_lock.engine.lock import slot_safe
 from celery_singleton_lock.testing.servers import wait_until
+from celery_singleton_lock.topologies.etcd import EtcdLockServer
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -57,16 +60,39 @@ WORKER_ENV = {"CSL_LOCK_TTL": str(LOCK_TTL), "CSL_JOURNAL_HANDOFF": "1"}
 
 
 class Nodes:
-    """Two prefork workers x 2 children on ``queue``, and two single-child workers with a fault hook."""
+    """Two prefork workers x 2 children on ``queue``, and two single-child workers with a fault hook,
+    their locks on ``backend`` (the session's private Redis, or etcd)."""
+
+    def line_len(self, key: str) -> int:
+        """How many wait in ``key``'s line."""
+        return self.locks.llen(key + ":q") if self.backend == "redis" else len(lines.line(self.server, key))
+
+    def pttl(self, key: str) -> int:
+        """The ms the lock of ``key`` lives unless renewed (on etcd, its lease's, in whole seconds)."""
+        if self.backend == "redis":
+            return self.locks.pttl(key)
+        _, lease = self.server.holder_and_lease(key)
+        return int(self.server.transport.call("/lease/timetolive", {"ID": str(lease)})["TTL"]) * 1000
+
+    def nothing_left(self, key: str) -> None:
+        def empty() -> bool:
+            if self.backend == "redis":
+                return not self.locks.exists(key, key + ":q", key + ":w")
+            return self.server.holder(key) is None and not lines.line(self.server, key)
+        wait_until(empty, TIMEOUT, 0.05, f"{key} to be left empty")
 
 
-@pytest.fixture(scope="module")
-def nodes(redis_server, tmp_path_factory):
+@pytest.fixture(scope="module", params=BACKENDS)
+def nodes(request, redis_server, tmp_path_factory):
+    backend, etcd_url = backend_of(request)
+    url, store = lock_store(backend, redis_server, etcd_url)
     wa = load_worker_app(redis_server)
     for db in (1, 2, 3):
         redis_server.client(db).flushdb()  # our private server; the broker db keeps its bindings
     n = Nodes()
-    n.wa, n.locks = wa, redis_server.client(2)
+    n.wa, n.locks, n.backend = wa, store, backend
+    n.server = LockServer.from_url(url) if backend == "redis" else EtcdLockServer.from_url(url)
+    worker_env = {**WORKER_ENV, "CSL_LOCK_URL": url}
     tag = uuid.uuid4().hex[:8]
     n.queue, n.q_parked, n.q_handoff = f"csl-ho-{tag}", f"csl-ho-parked-{tag}", f"csl-ho-handoff-{tag}"
     logdir = tmp_path_factory.mktemp("handoff")
@@ -74,17 +100,17 @@ def nodes(redis_server, tmp_path_factory):
     try:
         # started together, so their start-ups overlap
         n.workers = [
-            start_worker_process(redis_server, logdir, concurrency=2, env=WORKER_ENV, extra=("-Q", n.queue),
+            start_worker_process(redis_server, logdir, concurrency=2, env=worker_env, extra=("-Q", n.queue),
                                  name=f"node{i}")
             for i in range(2)
         ]
         started += n.workers
         n.kill_parked = start_worker_process(
-            redis_server, logdir, concurrency=1, env={**WORKER_ENV, "CSL_TEST_KILL_AT": "parked"},
+            redis_server, logdir, concurrency=1, env={**worker_env, "CSL_TEST_KILL_AT": "parked"},
             extra=("-Q", n.q_parked), name="kill-parked",
         )
         n.kill_handoff = start_worker_process(
-            redis_server, logdir, concurrency=1, env={**WORKER_ENV, "CSL_TEST_KILL_AT": "handoff"},
+            redis_server, logdir, concurrency=1, env={**worker_env, "CSL_TEST_KILL_AT": "handoff"},
             extra=("-Q", n.q_handoff), name="kill-handoff",
         )
         started += [n.kill_parked, n.kill_handoff]
@@ -94,6 +120,7 @@ def nodes(redis_server, tmp_path_factory):
     finally:
         for w in started:
             w.stop()
+        n.server.close()
         gc.collect()
 
 
@@ -149,11 +176,11 @@ def park_one_by_one(n, task, k: str, key: str, args_of, count: int, queue: str |
     """Send ``count`` duplicates, each after the previous one is visibly in line: the order in which
     they found the key held is then the order they were sent."""
     sent = []
-    base = n.locks.llen(key + ":q")
+    base = n.line_len(key)
     for i in range(count):
         sent.append(task.apply_async(args_of(i), queue=queue or n.queue))
         have = base + len(sent)
-        wait_until(lambda have=have: n.locks.llen(key + ":q") >= have, TIMEOUT, 0.005, f"waiter {i} of {k} to park")
+        wait_until(lambda have=have: n.line_len(key) >= have, TIMEOUT, 0.005, f"waiter {i} of {k} to park")
     return sent
 
 
@@ -176,10 +203,6 @@ def note(capsys, text: str) -> None:
     """A measurement for the record (printed even under -q; never asserted beyond its bound)."""
     with capsys.disabled():
         print(f"\n[handoff] {text}")
-
-
-def nothing_left(locks, key: str) -> None:
-    wait_until(lambda: not locks.exists(key, key + ":q", key + ":w"), TIMEOUT, 0.05, f"{key} to be left empty")
 
 
 # -- 1. FIFO across two nodes ------------------------------------------------------------------------
@@ -228,7 +251,7 @@ def test_fifo_across_two_nodes_one_park_and_one_send_each(nodes, capsys):
         assert sent[0].get("singleton_lock_entry") and set(sent[0]) & {
             "singleton_lock_recovered", "singleton_lock_expired", "singleton_lock_backoff"} == set()
     assert publishes(wa, holder.id) == []
-    nothing_left(n.locks, key)
+    n.nothing_left(key)
 
     # release (the previous body's end) -> the next body's start, one host
     order = [spans[i] for i in ids]
@@ -257,7 +280,7 @@ def test_chain_through_a_waiting_task(nodes):
         ).apply_async()
         waiting = result.parent
         wait_until(lambda: waiting.state == "WAITING", TIMEOUT, 0.02, "the middle link to wait in line")
-        assert n.locks.llen(key + ":q") == 1
+        assert n.line_len(key) == 1
         assert not result.ready() and result.parent.parent.get(timeout=TIMEOUT) == ["a"]
     finally:
         open_gate(wa, k)
@@ -271,7 +294,7 @@ def test_chain_through_a_waiting_task(nodes):
     sent = publishes(wa, waiting.id)
     assert len(sent) == 2 and [bool(p.get("singleton_lock_entry")) for p in sent] == [False, True], sent
     assert len(parks(wa, waiting.id)) == 1
-    nothing_left(n.locks, key)
+    n.nothing_left(key)
 
 
 @pytest.mark.slow
@@ -284,7 +307,7 @@ def test_chord_whose_header_waits_on_itself(nodes):
     header = [wa.in_line_append.s([], k, tag, True).set(queue=n.queue) for tag in ("h1", "h2")]
     try:
         result = chord(header)(wa.collect.s().set(queue=n.queue))
-        wait_until(lambda: n.locks.llen(key + ":q") == 1, TIMEOUT, 0.02, "one header call to wait in line")
+        wait_until(lambda: n.line_len(key) == 1, TIMEOUT, 0.02, "one header call to wait in line")
         wait_starts(wa, k, 1)  # the holder may park its rival before it journals its own start
         assert len(starts(wa, k)) == 1 and not result.ready()
     finally:
@@ -295,7 +318,7 @@ def test_chord_whose_header_waits_on_itself(nodes):
     assert_no_overlap(list(intervals(wa, k).values()), "the chord's header calls")
     waited = [e["id"] for e in ran][1]
     assert len(parks(wa, waited)) == 1 and len(publishes(wa, waited)) == 1
-    nothing_left(n.locks, key)
+    n.nothing_left(key)
 
 
 # -- 3. every SIGKILL point -------------------------------------------------------------------------
@@ -316,7 +339,7 @@ def test_holder_killed_mid_body_waiters_run_once_after_its_lock_expired(nodes, c
         assert any(first["pid"] in w.children() for w in n.workers)
         os.kill(first["pid"], signal.SIGKILL)  # the pool child only, by PID
         killed_at = time.time()  # also before the PTTL: a stall after its reply must not move the expiry later
-        pttl = n.locks.pttl(key)
+        pttl = n.pttl(key)
         assert 0 < pttl <= LOCK_TTL * 1000  # nobody renews it now
         expires_at = killed_at + pttl / 1000
         with pytest.raises(WorkerLostError):
@@ -333,7 +356,7 @@ def test_holder_killed_mid_body_waiters_run_once_after_its_lock_expired(nodes, c
     assert_no_overlap(list(intervals(wa, k, without=holder.id).values()), "the waiters")
     for w in waiters:
         assert len(parks(wa, w.id)) == 1 and len(publishes(wa, w.id)) == 1
-    nothing_left(n.locks, key)
+    n.nothing_left(key)
     note(capsys, f"holder SIGKILLed: its lock expired -> first waiter's start {ran[1]['at'] - expires_at:.2f} s "
                  f"(kill -> last waiter's start {ran[-1]['at'] - killed_at:.2f} s, ttl {LOCK_TTL:g} s)")
 
@@ -357,7 +380,7 @@ def test_waiter_killed_right_after_it_parked_still_runs_once(nodes):
         assert parks(wa, victim.id) == []  # the delivery never got as far as its "waits in line"
         wait_until(lambda: set(n.kill_parked.children()) - set(doomed), TIMEOUT, 0.1, "a new pool child")
         [behind] = park_one_by_one(n, wa.in_line, k, key, lambda i: (k, 0.0, "behind"), 1)
-        assert n.locks.llen(key + ":q") == 2
+        assert n.line_len(key) == 2
     finally:
         open_gate(wa, k)
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
@@ -370,7 +393,7 @@ def test_waiter_killed_right_after_it_parked_still_runs_once(nodes):
     assert meta["result"]["tag"] == "victim"
     assert_no_overlap(list(intervals(wa, k).values()))
     assert len(publishes(wa, victim.id)) == 1
-    nothing_left(n.locks, key)
+    n.nothing_left(key)
 
 
 @pytest.mark.slow
@@ -403,7 +426,7 @@ def test_releaser_killed_between_hand_off_and_publish_the_sweeper_sends_it(nodes
     assert sent["singleton_lock_entry"] and sent["pid"] != first["pid"]
     assert len(publishes(wa, waiters[1].id)) == 1
     assert_no_overlap(list(intervals(wa, k, without=holder.id).values()), "the waiters")
-    nothing_left(n.locks, key)
+    n.nothing_left(key)
     note(capsys, f"releaser SIGKILLed before the publish: release -> the waiter's start "
                  f"{ran[1]['at'] - released_by:.2f} s (reservation {LOCK_TTL:g} s)")
 
@@ -494,14 +517,14 @@ def test_line_that_does_not_move_fails_with_lock_wait_timeout_and_errback(nodes,
         )
         assert [e["exc"] for e in errbacks] == ["LockWaitTimeout"]
         assert not holder.ready() and [e["id"] for e in starts(wa, k)] == [holder.id]
-        assert not n.locks.llen(key + ":q")  # it left the line
+        assert not n.line_len(key)  # it left the line
     finally:
         open_gate(wa, k)
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
     assert [e["id"] for e in starts(wa, k)] == [holder.id]  # the timed-out waiter never ran
     expired = [p for p in publishes(wa, dup.id) if p.get("singleton_lock_expired")]
     assert len(expired) == 1 and len(publishes(wa, dup.id)) == 1
-    nothing_left(n.locks, key)
+    n.nothing_left(key)
     note(capsys, f"lock_max_wait 2 s: WAITING seen -> FAILURE seen {failed_at - parked_at:.2f} s")
 
 

@@ -164,8 +164,6 @@ def test_retry_waits_in_line_and_runs_in_turn_after_the_holder(env, rec):
     k = f"retry-{uuid.uuid4().hex[:8]}"
     key = env.retry.lock_key_for((k, "x"), {})
     holder = start_holder(env, env.retry, k)
-    if env.backend == "etcd":
-        return retry_backs_off_without_a_line(env, rec, k, key, holder)
     dups = []
     for i in range(3):  # one at a time, so the order they found the key held is known
         dups.append(env.retry.delay(k, f"dup{i}"))
@@ -188,28 +186,9 @@ def test_retry_waits_in_line_and_runs_in_turn_after_the_holder(env, rec):
     wait_until(lambda: not env.locks.exists(key, key + ":q", key + ":w"), TIMEOUT, what="nothing left")
 
 
-def retry_backs_off_without_a_line(env, rec, k, key, holder):
-    """On a backend with no waiting line (etcd, for now), "retry" backs off and tries again (as on a
-    quorum of Redis masters): every duplicate still runs once, after the holder, never beside it."""
-    dups = [env.retry.delay(k, f"dup{i}") for i in range(3)]
-    for dup in dups:
-        rec.wait("duplicate", dup.id)
-    assert not holder.ready() and len(env.runs.of(k)) == 1
-    env.gates.open(k)
-    assert holder.get(timeout=TIMEOUT) == "holder"
-    assert sorted(d.get(timeout=TIMEOUT) for d in dups) == ["dup0", "dup1", "dup2"]
-    runs = sorted(env.runs.of(k), key=lambda r: r.start)
-    assert runs[0].task_id == holder.id and len(runs) == 4
-    assert_no_overlap([(r.start, r.end) for r in runs])
-    assert {e.data["policy"] for d in dups for e in rec.of("duplicate", d.id)} <= {"retry", "backoff"}
-    wait_until(lambda: not env.locks.exists(key), TIMEOUT, what="nothing left")
-
-
 def test_a_line_that_does_not_move_ends_in_lock_wait_timeout(env, rec):
     """lock_max_wait bounds a wait: past it the waiter FAILS with LockWaitTimeout (never a silent
     PENDING or WAITING), and the holder is untouched."""
-    if env.backend == "etcd":
-        pytest.skip("no waiting line on etcd yet: a retry duplicate backs off (see the test above)")
     k = f"stuck-{uuid.uuid4().hex[:8]}"
     key = env.retry_short_wait.lock_key_for((k, "x"), {})
     holder = start_holder(env, env.retry_short_wait, k)

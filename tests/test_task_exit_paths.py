@@ -282,8 +282,7 @@ def test_retry_message_arriving_before_release_runs_after(env, rec, request, whi
     runs_during_hold, hold_ended = held
     assert runs_during_hold == 1
     dup = rec.of("duplicate", task_id)[0]
-    # no line on etcd: the early copy backs off and tries again instead of waiting its turn
-    assert dup.data["policy"] == ("backoff" if env.backend == "etcd" else "redelivery")
+    assert dup.data["policy"] == "redelivery"  # the early copy waits its turn in line
     assert dup.data["holder"] == task_id
     first, second = env.runs.of(k, task_id)
     assert second.start >= max(hold_ended, first.end)  # after the old run (and its release), not beside it

@@ -38,6 +38,7 @@ from _task_support import (
 )
 from conftest import make_app
 
+from celery_singleton_lock.engine import line as lines
 from celery_singleton_lock.testing.servers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -106,14 +107,13 @@ def logged(caplog, *parts):
 
 
 def waits(env, policy: str) -> str:
-    """The policy a waiting delivery reports: its own where there is a line; "backoff" on etcd."""
-    return policy if env.backend == "redis" else "backoff"
+    """The policy a waiting delivery reports: its own (both backends keep a line)."""
+    return policy
 
 
 def waiting_state(env) -> set[str]:
-    """What a waiting delivery's state reads: WAITING in a line; on etcd RETRY, or the STARTED its
-    earlier run left (a backing-off redelivery writes nothing over it)."""
-    return {"WAITING"} if env.backend == "redis" else {"RETRY", "STARTED"}
+    """What a waiting delivery's state reads: WAITING, in the key's line."""
+    return {"WAITING"}
 
 
 def fresh(prefix: str) -> str:
@@ -135,10 +135,8 @@ def test_track_started_is_stored_by_the_holder_only(env, rec):
 
 
 def test_redelivery_while_holder_runs_waits_first_and_is_dropped_when_it_succeeds(env, rec, info_log):
-    """On etcd (no line) the copy backs off; it used to lose its redelivery mark (an early-acked
-    task's redelivery counted as never run) and, with no done record for an early-acked success,
-    ran again after the holder succeeded (about 1 run in 8). It stays a redelivery now, and a
-    re-sent redelivery that takes the key checks the result backend first."""
+    """The copy waits first in line, and the holder's successful release drops it (on etcd too: the
+    release deletes its waiter key before it hands the key on)."""
     k = fresh("running")
     key = env.job.lock_key_for((k, "x"), {})
     holder = env.job.delay(k, "gate")
@@ -149,21 +147,17 @@ def test_redelivery_while_holder_runs_waits_first_and_is_dropped_when_it_succeed
     redeliver(env.broker, env.job, (k, "gate"), holder.id, env.queue)
     [event] = rec.wait("duplicate", holder.id)
     assert event.data == {"holder": holder.id, "policy": waits(env, "redelivery")} and event.key == key
-    if env.backend == "redis":  # in line (etcd has none: the copy backs off, and stays a redelivery)
-        assert logged(info_log, holder.id, "waits in line", "redelivered copy of the running task")
-        assert env.locks.lrange(key + ":q", 0, -1)
+    assert logged(info_log, holder.id, "waits in line", "redelivered copy of the running task")
+    assert lines.line(env.job.lock_server(), key) == [holder.id]
     assert len(env.runs.of(k)) == 1
     meta = env.app.backend.get_task_meta(holder.id)
     assert (meta["status"], meta["result"]) == ("STARTED", marker)
     env.gates.open(k)
     assert holder.get(timeout=TIMEOUT) == f"gate by {holder.id}"
-    # in line, the copy is dropped at the holder's release; on etcd its back-off re-send comes later,
-    # takes the key, finds SUCCESS in the result backend and is dropped then (wait for that, not a sleep)
-    expected = 1 if env.backend == "redis" else 2
-    events = rec.wait("duplicate", holder.id, count=expected)
-    if env.backend != "redis":
-        assert [e.data["policy"] for e in events] == ["backoff", "redelivery"]
-    wait_until(lambda: not env.locks.exists(key, key + ":q", key + ":w"), TIMEOUT, what="the copy to be dropped")
+    # the copy is dropped at the holder's release
+    expected = 1
+    wait_until(lambda: not lines.line(env.job.lock_server(), key), TIMEOUT, what="the copy to be dropped")
+    wait_until(lambda: not env.locks.exists(key, key + ":q", key + ":w"), TIMEOUT, what="nothing left")
     assert len(env.runs.of(k)) == 1  # the body ran once
     assert env.app.AsyncResult(holder.id).state == "SUCCESS"
     assert len(rec.of("released", holder.id)) == 1
@@ -262,7 +256,7 @@ def test_the_tasks_own_retry_waits_its_turn_even_under_skip(env, rec):
     c = env.late_skip.delay(k, "gate")
     wait_until(lambda: env.runs.of(k, c.id), TIMEOUT, what="C to hold the key")
     rec.wait("duplicate", a.id)  # the retry met C ...
-    # ... and waits (backs off, on etcd), not REVOKED
+    # ... and waits in line, not REVOKED
     assert env.app.AsyncResult(a.id).state in waiting_state(env)
     env.gates.open(k)
     assert c.get(timeout=TIMEOUT) == f"gate by {c.id}"

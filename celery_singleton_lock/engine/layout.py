@@ -64,6 +64,11 @@ On etcd (:mod:`celery_singleton_lock.topologies.etcd`) a lock ``K`` is the key `
 token is the key's create revision. A done record is ``ETCD_DONE + K + "/" + <owner id>``, holding
 what the body returned, on a lease of its own; ``ETCD_ROOT + "tomb/" + K + "/" + <token>`` the tombstone
 of an acquire attempt whose reply never came (see :mod:`celery_singleton_lock.topologies.etcd_txn`).
+Its waiting line (see :mod:`celery_singleton_lock.topologies.etcd_line`): each waiter is a key
+``etcd_line(K) + <band> + <entry>`` holding its :class:`Waiter` record, with no lease (band ``0``
+goes first, ``1`` is the rest; within a band, by create revision); ``etcd_turn(K)`` the entry the
+key is reserved for, on a lease; ``etcd_gone(K, entry)`` the tombstone of an entry that left for
+good; ``ETCD_WAITING + K`` the sweepers' index of keys with waiters.
 
 Quorum mode (one plain Redis per member) adds ``K:f``, the member's fencing floor, and
 ``K:x:<token>``, a release's tombstone for an acquire still on its way (see
@@ -155,6 +160,33 @@ def etcd_tomb(key: str, token: str) -> str:
 def etcd_done(key: str, owner: str) -> str:
     """etcd: ``owner``'s done record under ``key``."""
     return f"{ETCD_DONE}{key}/{owner}"
+
+
+ETCD_WAITING = ETCD_ROOT + "waiting/"
+"""etcd: the sweepers' index, one key per lock key with a line (``ETCD_WAITING + K``)."""
+ETCD_BANDS = ("0", "1")
+"""etcd: a line's two bands, in the order they are served (``0`` the waiters that go first)."""
+
+
+def etcd_line(key: str) -> str:
+    """etcd: the prefix of ``key``'s waiters (``+ band + entry``). NUL ends the lock key, so the line
+    of ``a`` never holds the waiters of ``a/b``."""
+    return f"{ETCD_ROOT}line/{key}\x00"
+
+
+def etcd_turn(key: str) -> str:
+    """etcd: the entry ``key`` is reserved for (the waiter whose turn came)."""
+    return f"{ETCD_ROOT}turn/{key}"
+
+
+def etcd_gone(key: str, entry: str) -> str:
+    """etcd: the tombstone of ``entry``, a waiter of ``key`` that left the line for good."""
+    return f"{ETCD_ROOT}gone/{key}\x00{entry}"
+
+
+def prefix_end(prefix: str) -> str:
+    """etcd: the end of the range of keys that start with ``prefix`` (its last character plus one)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
 @dataclass(frozen=True)

@@ -43,14 +43,15 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
 from redis.exceptions import RedisError
 
 from ..exceptions import LockError
 from . import layout, line_scripts
 from .lock import Handoff, Holder, Lock, Verdict, ms, slot_safe
-from .server import LockServer
+from .server import LockBackend, LockServer
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -97,6 +98,29 @@ class AlreadyParked(int):
         return True
 
 
+class Waiting(Protocol):
+    """A backend's own waiting lines (etcd: :mod:`celery_singleton_lock.topologies.etcd_line`), which
+    :func:`park`, :func:`leave`, :func:`line`, the sweeper and a revoke use instead of the scripts
+    here. A backend that has one names it ``waiting``; a Redis server has none."""
+
+    def park(self, name: str, entry: str, *, kind: str, wait: float, ttl: float, owner_id: str,
+             message: bytes = b"", first: bool = False, again: bool = False, redelivered: bool = False,
+             **redis_only: Any) -> int: ...
+
+    def leave(self, name: str, entry: str) -> bool: ...
+
+    def line(self, name: str) -> list[str]: ...
+
+    def sweep_all(self, sweepable: Callable[[str], bool]) -> int: ...
+
+    def remove(self, owner_id: str) -> list[str]: ...
+
+
+def own_line(server: Any) -> Waiting | None:
+    """``server``'s own waiting lines, or None: the scripts here (one Redis)."""
+    return cast("Waiting | None", getattr(server, "waiting", None))
+
+
 def new_entry() -> str:
     return uuid.uuid4().hex
 
@@ -109,7 +133,7 @@ def entry_for(task_id: str, retries: int = 0) -> str:
 
 
 def park(
-    server: LockServer,
+    server: LockBackend,
     name: str,
     entry: str,
     *,
@@ -141,6 +165,11 @@ def park(
     """
     if "\n" in owner_id:
         raise ValueError(f"an owner id cannot contain a newline: {owner_id!r}")
+    own = own_line(server)
+    if own is not None:
+        return own.park(name, entry, kind=kind, wait=wait, ttl=ttl, owner_id=owner_id, message=message,
+                        first=first, again=again, redelivered=redelivered)
+    assert isinstance(server, LockServer)
     key = slot_safe(name)
     reply = server.run(
         line_scripts.PARK, server.keys_for(key),
@@ -182,9 +211,13 @@ def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> i
     return int(server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry,)))
 
 
-def leave(server: LockServer, name: str, entry: str) -> bool:
+def leave(server: LockBackend, name: str, entry: str) -> bool:
     """Take ``entry`` out of the line (it gave up); True if the key had been reserved for it
     (it then passes to the next waiter)."""
+    own = own_line(server)
+    if own is not None:
+        return own.leave(name, entry)
+    assert isinstance(server, LockServer)
     key = slot_safe(name)
     reply = server.run(line_scripts.LEAVE, server.keys_for(key), (entry,))
     server.dispatch(tuple(Handoff.parse(key, item) for item in reply[1:]))
@@ -201,8 +234,12 @@ def sweep(server: LockServer, name: str) -> tuple[int, tuple[Handoff, ...]]:
     return int(reply[0]), handoffs
 
 
-def line(server: LockServer, name: str) -> list[str]:
+def line(server: LockBackend, name: str) -> list[str]:
     """The owner ids of ``name``'s waiters, next first (for operators and tests)."""
+    own = own_line(server)
+    if own is not None:
+        return own.line(name)
+    assert isinstance(server, LockServer)
     key = slot_safe(name)
     try:
         entries = server.client.lrange(layout.line(key), 0, -1)
@@ -217,8 +254,12 @@ def index_key(prefix: str) -> str:
     return f"{prefix}:{{waiting}}"
 
 
-def announce(server: LockServer, index: str, name: str) -> None:
-    """Tell the sweepers that ``name`` has a waiting task (after every park of one)."""
+def announce(server: LockBackend, index: str, name: str) -> None:
+    """Tell the sweepers that ``name`` has a waiting task (after every park of one; a backend with
+    its own lines indexes them as it parks)."""
+    if own_line(server) is not None:
+        return
+    assert isinstance(server, LockServer)
     server.run(line_scripts.INDEX_ADD, (index,), (slot_safe(name),))
 
 

@@ -42,15 +42,17 @@ DEFAULT_TURN_TIMEOUT = 300.0
 """Seconds the key stays reserved for a waiter whose turn was sent, until its copy arrives
 (``singleton_lock_turn_timeout``): then it passes to the next waiter."""
 
-HandoffSender = Callable[["LockServer", Handoff], bool]
+HandoffSender = Callable[[Any, Handoff], bool]
+"""How a server sends a waiter's message (the Celery side's ``handoff.send``): (server, hand-off) -> sent."""
 
 
 class LockBackend(Protocol):
     """What the Celery side, the watchdog and ``held()`` need of a lock server, whatever its
     topology: :class:`LockServer` (one Redis, and its Sentinel and Cluster subclasses) and the
     quorum of masters (:class:`~celery_singleton_lock.topologies.quorum.QuorumLockServer`, which
-    is not a LockServer: it has no single Redis to run a script on). Only a LockServer has a
-    waiting line (``supports_line``): the line's operations take a LockServer."""
+    is not a LockServer: it has no single Redis to run a script on), and etcd. One Redis orders its
+    waiting line with the scripts of :mod:`.line`; etcd has lines of its own (``waiting``: see
+    :class:`.line.Waiting`); a quorum has none (``supports_line`` False)."""
 
     url: str
     client: Any

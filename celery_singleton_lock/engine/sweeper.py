@@ -17,9 +17,9 @@ from redis.exceptions import RedisError
 
 from ..exceptions import LockError
 from . import layout, line_scripts
-from .line import SWEEP_BATCH, SWEEP_INTERVAL, SWEEP_LEASE, sweep
+from .line import SWEEP_BATCH, SWEEP_INTERVAL, SWEEP_LEASE, own_line, sweep
 from .lock import Handoff, ms, slot_safe
-from .server import LockServer
+from .server import LockBackend, LockServer
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -45,7 +45,7 @@ class Sweeper:
         self.interval = interval
         self.pid = os.getpid()
         self._cond = threading.Condition()
-        self._watched: dict[tuple[LockServer, str], str | None] = {}  # (server, index) -> epoch seen
+        self._watched: dict[tuple[LockBackend, str], str | None] = {}  # (server, index) -> epoch seen
         self._parked: dict[tuple[LockServer, str, str], _Parked] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -54,13 +54,16 @@ class Sweeper:
         leaves its "waited too long" copy to this process to send: a process that cannot send that
         task (no app of it here) would drop it. The Celery side sets this (handoff.knows_key)."""
 
-    def watch(self, server: LockServer, index: str) -> None:
+    def watch(self, server: LockBackend, index: str) -> None:
         with self._cond:
             self._watched.setdefault((server, index), None)
             self._start()
 
-    def remember(self, server: LockServer, name: str, entry: str, owner_id: str, ttl: float, message: bytes) -> None:
-        """Keep a parked task's message here until it leaves the line, in case Redis loses it."""
+    def remember(self, server: LockBackend, name: str, entry: str, owner_id: str, ttl: float, message: bytes) -> None:
+        """Keep a parked task's message here until it leaves the line, in case Redis loses it (a
+        consensus backend, with lines of its own, does not lose them)."""
+        if not isinstance(server, LockServer):
+            return
         with self._cond:
             self._parked[(server, slot_safe(name), entry)] = _Parked(
                 server, slot_safe(name), entry, owner_id, ms(ttl), message
@@ -105,8 +108,12 @@ class Sweeper:
             except Exception:
                 logger.exception("celery-singleton-lock sweeper: checking parked messages failed")
 
-    def sweep_once(self, server: LockServer, index: str) -> int:
+    def sweep_once(self, server: LockBackend, index: str) -> int:
         """One look at the due keys of ``index``; returns how many hand-offs it made."""
+        own = own_line(server)
+        if own is not None:  # (etcd) every key with a line, whatever the index
+            return own.sweep_all(self.sweepable)
+        assert isinstance(server, LockServer)
         made = 0
         while True:
             reply = server.run(
@@ -133,7 +140,7 @@ class Sweeper:
             if len(keys) < SWEEP_BATCH:
                 return made
 
-    def _check_epoch(self, server: LockServer, index: str, epoch: str) -> None:
+    def _check_epoch(self, server: LockBackend, index: str, epoch: str) -> None:
         """A new epoch means the lock Redis lost its data: say so, and look at the parked messages now."""
         with self._cond:
             seen = self._watched.get((server, index))

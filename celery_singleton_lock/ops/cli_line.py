@@ -21,6 +21,7 @@ misconfigured or unreachable, with a one-line error.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import click
@@ -38,7 +39,9 @@ from .survey import KINDS, STATES, duration, message_summary, to_json
 def read_line(target: Target, key: str) -> list[dict[str, Any]]:
     """The key's waiters, next first, then those handed the key and on their way (out of the line)."""
     if isinstance(target.server, EtcdLockServer):
-        return []  # etcd keeps no line yet: nobody waits (``line`` exits 1, ``drop`` finds no waiter)
+        waiters, reserved_for = target.server.waiting.records(key)
+        now = time.time()
+        return [_row(w.record, w.entry, i + 1, w.entry == reserved_for, now) for i, w in enumerate(waiters)]
 
     def read(client: Any) -> list[Any]:
         pipe = client.pipeline(transaction=False)
@@ -52,23 +55,26 @@ def read_line(target: Target, key: str) -> list[dict[str, Any]]:
     now_ms = secs * 1000 + micros // 1000
     reserved = held.split(b" ", 1)[0][1:] if held and held.startswith(b"~") else None
     order = [e for e in entries if e in records] + [e for e in records if e not in set(entries)]
-    rows = []
-    for entry in order:
-        waiter = layout.Waiter.parse(records[entry])
-        parked_at = _parked_at(waiter.message)
-        place = entries.index(entry) + 1 if entry in entries else None
-        rows.append({
-            "place": place,
-            "task_id": waiter.owner,
-            "kind": KINDS.get(waiter.kind, waiter.kind),
-            "state": STATES.get(waiter.state, waiter.state),
-            "reserved": entry == reserved,
-            "waited_ms": None if parked_at is None else max(0, now_ms - int(parked_at * 1000)),
-            "gives_up_in_ms": waiter.deadline_ms - now_ms,
-            "entry": entry.decode(),
-            **message_summary(waiter.message),
-        })
-    return rows
+    return [_row(layout.Waiter.parse(records[entry]), entry.decode(),
+                 entries.index(entry) + 1 if entry in entries else None, entry == reserved, now_ms / 1000)
+            for entry in order]
+
+
+def _row(waiter: layout.Waiter, entry: str, place: int | None, reserved: bool, now: float) -> dict[str, Any]:
+    """One waiter as ``line`` shows it (``now``: the lock server's clock, or on etcd this host's)."""
+    parked_at = _parked_at(waiter.message)
+    now_ms = int(now * 1000)
+    return {
+        "place": place,
+        "task_id": waiter.owner,
+        "kind": KINDS.get(waiter.kind, waiter.kind),
+        "state": STATES.get(waiter.state, waiter.state),
+        "reserved": reserved,
+        "waited_ms": None if parked_at is None else max(0, now_ms - int(parked_at * 1000)),
+        "gives_up_in_ms": waiter.deadline_ms - now_ms,
+        "entry": entry,
+        **message_summary(waiter.message),
+    }
 
 
 def _parked_at(message: bytes) -> float | None:
@@ -135,11 +141,16 @@ def drop(ctx: click.Context, key: str, task_id: str, yes: bool) -> None:
             ctx.exit(1)
     for task in target.tasks.values():  # a waiter the key passes to is published from here
         handoff.register(task)
-    if not isinstance(target.server, LockServer):
+    server = target.server
+    if not server.supports_line:
         fail(f"{target.url} has no waiting line (a quorum of masters orders none)")
-    target.server.send_handoff = handoff.SEND
+    server.send_handoff = handoff.SEND
     try:
-        removed, handoffs = line_ops.remove(target.server, key, task_id)
+        if isinstance(server, EtcdLockServer):
+            removed, handoffs = server.waiting.drop(key, task_id)
+        else:
+            assert isinstance(server, LockServer)
+            removed, handoffs = line_ops.remove(server, key, task_id)
     except (LockError, ValueError) as exc:
         fail(str(exc))
     if not removed:

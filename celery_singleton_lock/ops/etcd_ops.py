@@ -2,8 +2,8 @@
 
 A lock is one etcd key (see :mod:`celery_singleton_lock.topologies.etcd`), so ``list`` is one range
 read over the lock prefix, plus one lease read per holding process (its time to live), and
-``release`` one txn that deletes the key only while it is the incarnation that was shown. etcd keeps
-no line yet, so ``waiters`` is always 0 and ``show`` lists no line.
+``release`` one txn that deletes the key only while it is the incarnation that was shown; ``waiters``
+is one count read per lock (``celery locks line`` lists them: cli_line.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def row_of(server: EtcdLockServer, holder: Holder, lease: int, task: str, ttls: 
         ttls[lease] = lease_ttl_ms(server, lease)
     return {
         "key": holder.key, "task": task, "task_id": holder.owner_id, "host": holder.host, "pid": holder.pid,
-        "held_ms": None, "ttl_ms": ttls[lease], "fencing_token": holder.fencing_token, "waiters": 0,
+        "held_ms": None, "ttl_ms": ttls[lease], "fencing_token": holder.fencing_token,
+        "waiters": server.waiting.count(holder.key),
         "reserved": False,
     }
 
@@ -81,17 +82,18 @@ def list_locks(target: Target, server: EtcdLockServer, task_name: str | None, as
 
 
 def show(ctx: click.Context, server: EtcdLockServer, key: str, task: str, as_json: bool) -> None:
-    """Exit 0 if the lock is held, 1 if not (etcd keeps no line; done records are not listed)."""
+    """Exit 0 if the lock is held, 1 if not (done records are not listed)."""
     row = read_one(server, key, task)
     if as_json:
         data = row or {"key": key, "task": task, "task_id": None, "host": None, "pid": None, "held_ms": None,
                        "ttl_ms": -2, "fencing_token": None, "waiters": 0, "reserved": False}
-        click.echo(to_json({**data, "held": row is not None, "line": [], "done": []}))
+        click.echo(to_json({**data, "held": row is not None, "line": server.waiting.line(key), "done": []}))
     else:
         click.echo(f"lock      {key}")
         click.echo(f"task      {task}")
         click.echo(f"state     {describe(row) if row else 'free: nobody holds it'}")
-        click.echo("line      0 waiting (etcd keeps no line)")
+        waiting = server.waiting.line(key)
+        click.echo(f"line      {len(waiting)} waiting{': ' + ', '.join(waiting) if waiting else ''}")
     ctx.exit(0 if row is not None else 1)
 
 

@@ -20,15 +20,17 @@ The design is etcd's concurrency package:
 * **fencing**: ``fencing_token`` is K's create revision. Raft orders every write of the cluster,
   so the next holder's revision is strictly greater, across leader changes too.
 
-Not supported yet: the waiting line (``supports_line`` is False: a "retry" duplicate backs off and
-tries again, as on a quorum of Redis masters) and ``singleton_lock_min_replicas`` (every write is
-already committed by a majority).
+* **the waiting line**: waiters are keys ordered by create revision, handed the key on release
+  (:mod:`.etcd_line`); a fresh acquire also compares that nobody waits, so nobody jumps the line.
+
+Not here: ``singleton_lock_min_replicas`` (every write is already committed by a majority), merging
+calls and waiting in a worker slot (see :mod:`.etcd_line`).
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import logging
 import os
 import secrets
 import time
@@ -37,17 +39,23 @@ from dataclasses import replace
 from typing import Any
 
 from ..engine import layout
-from ..engine.lock import Done, Holder, Lock, Released, Verdict, check_ttl, slot_safe
-from ..engine.server import TOKEN_BYTES, HandoffSender
+from ..engine.line import entry_for
+from ..engine.lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, slot_safe
+from ..engine.server import DEFAULT_TURN_TIMEOUT, TOKEN_BYTES, HandoffSender
 from ..exceptions import LockBackendUnavailable, LockError
+from .etcd_line import EtcdLine, anyone_waits
+from .etcd_records import EtcdRecords
 from .etcd_session import DoneLeases, LeaseGone, Session, Sessions, Transport, b64, lease_ttl, parse_etcd_url, unb64
 from .etcd_txn import LATE, Doubts, _compare_create, _compare_value, _kvs, _put, _range, _value, not_tombed, tomb
 
-FRESH_FOR = 1 / 6
-"""A session confirmed less than this share of its TTL ago needs no keep-alive in a renewal round:
-rounds of locks due at different ticks share one keep-alive, and a lock so confirmed is next renewed
-at most half its TTL after that confirmation, which leaves the watchdog time to try again before its
-deadline."""
+logger = logging.getLogger("celery_singleton_lock")
+
+FRESH_FOR = 1 / 3
+"""A session confirmed less than this share of its TTL ago (one renewal period) needs no keep-alive in a
+renewal round: its locks take that confirmation as theirs and are next due one period after it, when
+the lease is due too (the watchdog schedules them so), so rounds of locks due at different ticks fall
+onto the lease's own period and ONE keep-alive per period keeps every lock alive. A lock so confirmed
+is due two periods before its deadline, as a renewed Redis lock is."""
 VERIFY_UP_TO = 128
 """A renewal round of at most this many locks also reads their keys (one txn: etcd's default limit of
 operations per txn); a larger round only keeps the lease alive (see renew_many)."""
@@ -57,14 +65,14 @@ class EtcdLockServer:
     """An etcd v3 cluster as a :class:`~celery_singleton_lock.engine.server.LockBackend` (see the
     module doc). Create one per URL and process (``servers.shared``): it holds the sessions."""
 
-    supports_line = False
+    supports_line = True
     supports_cooldown = False
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.url = transport.url
-        self.send_handoff: HandoffSender | None = None  # nothing is handed on: no line
-        self.turn_timeout = 0.0
+        self.send_handoff: HandoffSender | None = None  # the Celery side sets it
+        self.turn_timeout = DEFAULT_TURN_TIMEOUT
         self.min_replicas = 0
         self.replica_timeout = 0.0
         self.client = EtcdRecords(self)
@@ -73,6 +81,8 @@ class EtcdLockServer:
         self._done_leases = DoneLeases()
         self._doubts = Doubts()  # shared with the twins: acquires whose reply never came
         self._twins: dict[float, EtcdLockServer] = {}
+        self.waiting = EtcdLine(self)
+        """The keys' waiting lines (:mod:`.etcd_line`)."""
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> EtcdLockServer:
@@ -98,14 +108,31 @@ class EtcdLockServer:
             twin = copy.copy(self)
             twin.transport = self.transport.twin(seconds)
             twin._twins = {}
+            twin.waiting = EtcdLine(twin)
             self._twins[seconds] = twin
+        twin.send_handoff = self.send_handoff  # what the server has now (a task sets it after creating it)
+        twin.turn_timeout = self.turn_timeout
         return twin
 
     def error(self, exc: Exception, key: str) -> LockError:
         return exc if isinstance(exc, LockError) else LockBackendUnavailable(self.url, f"{key}: {exc!r}")
 
-    def dispatch(self, handoffs: Iterable[Any]) -> None:
-        """Nothing to send: no line on etcd yet."""
+    def dispatch(self, handoffs: Iterable[Handoff]) -> None:
+        """Send the waiting tasks the key was passed to (or that waited too long); a turn sent stays
+        reserved up to ``turn_timeout`` (:meth:`.etcd_line.EtcdLine.confirm`). Without a sender (no
+        Celery app here) a turn is left to run out, and a sweeper sends it."""
+        for handoff in handoffs:
+            if self.send_handoff is None:
+                logger.info("lock %s: waiting task %s (%s) left for a sweeper: nothing in this process sends "
+                            "tasks", handoff.key, handoff.owner_id, handoff.what)
+                continue
+            try:
+                sent = self.send_handoff(self, handoff)
+                if sent and handoff.what == "run":
+                    self.waiting.confirm(handoff.key, handoff.entry)
+            except Exception:
+                logger.exception("lock %s: sending waiting task %s (%s) failed; a sweeper will send it",
+                                 handoff.key, handoff.owner_id, handoff.what)
 
     # -- sessions ---------------------------------------------------------------------
 
@@ -134,7 +161,7 @@ class EtcdLockServer:
         for attempt in (1, 2):
             session.ensure(self.transport, fresh_for=session.ttl * FRESH_FOR)
             try:
-                return self._try(session, key, token, take_back, owner_id, check_done)
+                return self._try(session, key, token, take_back, owner_id, check_done, entry)
             except LeaseGone:  # the lease expired between the check and the put: a new session
                 session.drop(session.lease, "its etcd lease expired")
                 if attempt == 2:
@@ -145,16 +172,18 @@ class EtcdLockServer:
         raise AssertionError("unreachable")
 
     def _try(self, session: Session, key: str, token: str, take_back: str, owner_id: str | None,
-             check_done: bool) -> Lock | Holder | Verdict | Done:
+             check_done: bool, entry: str | None = None, again: bool = True) -> Lock | Holder | Verdict | Done:
         lock_key, lease, confirmed = layout.etcd_lock(key), session.lease, session.confirmed_at
         value = _value(token, session.ttl, owner_id)
-        compare = [_compare_create(lock_key, 0), not_tombed(key, token)]
+        compare = [_compare_create(lock_key, 0), not_tombed(key, token), *self.waiting.free(key, entry)]
         failure = [_range(lock_key)]
         if check_done and owner_id:
             done_key = layout.etcd_done(key, owner_id)
             compare.append({"key": b64(done_key), "target": "VERSION", "result": "EQUAL", "version": "0"})
             failure.append(_range(done_key))
-        success = [_put(lock_key, value, lease)]
+        looks_at = len(failure)
+        failure += self.waiting.looks(key, entry)
+        success = [_put(lock_key, value, lease), *self.waiting.taken(key, entry)]
         if take_back and take_back != token:  # the lost attempt's put, if it is still on its way, lands on a tomb
             tombstone = _put(tomb(key, take_back), b"", self._done_leases.lease_for(self.transport, LATE))
             success.append(tombstone)
@@ -163,17 +192,26 @@ class EtcdLockServer:
         if reply.get("succeeded"):
             return self._handle(session, key, token, int(reply["header"]["revision"]), owner_id, confirmed)
         responses = reply.get("responses") or []
-        if len(responses) > 1 and _kvs(responses[1]):
+        if looks_at > 1 and _kvs(responses[1]):
             kept = unb64(_kvs(responses[1])[0].get("value"))
             return Done(kept) if kept else Verdict.ALREADY_SUCCEEDED
         held = _kvs(responses[0]) if responses else []
-        if not held:  # released between the compare and the read: try again once
-            return self._try(session, key, token, take_back, owner_id, False)
+        if not held:  # free, yet not taken: a line, a turn, or released between the compare and the read
+            why = self.waiting.refused(key, entry, responses[looks_at:])
+            if isinstance(why, Holder):
+                return why
+            if why == "gone":
+                return Verdict.ENTRY_GONE
+            if again and (why is None or (entry and self.waiting.reserve_if_first(key, entry))):
+                return self._try(session, key, token, take_back, owner_id, False, entry, again=False)
+            return Holder.parse(key, "", -2)  # someone is ahead of the claim whose reservation ran out
         holder = self._holder(key, held[0])
         held_token = holder.raw.partition(" ")[0]
         if held_token and held_token in (token, take_back):  # ours: an attempt whose reply was lost
             self._doubts.forget(key, held_token)
             return self._take_back(session, key, token, holder, value, owner_id, confirmed)
+        if entry and self.waiting.refused(key, entry, responses[looks_at:]) == "gone":
+            return Verdict.ENTRY_GONE  # a copy whose entry already ran (or left): never parked again
         return holder
 
     def _take_back(self, session: Session, key: str, token: str, holder: Holder, value: str,
@@ -214,7 +252,8 @@ class EtcdLockServer:
                 again: bool = False, retries: int = 0, cooldown: float = 0.0,
                 presend: float = 0.0) -> Released:
         """Delete the key if it is still ours (its create revision is our fencing token, its value our
-        token's): one txn.
+        token's): one txn, which also reads whether anyone waits; if so, a second txn hands the key to
+        the first in line and its message is sent (:mod:`.etcd_line`).
         ``succeeded`` with ``remember`` > 0 keeps ``value`` as the owner's done record that long."""
         if lock.pid != os.getpid():
             return Released(-2)
@@ -228,12 +267,19 @@ class EtcdLockServer:
                                                                                             lock.owner_id))]
         # a lock already gone (expired) still records the success; one another holds records nothing
         record = [{"request_txn": {"compare": [_compare_create(lock_key, 0)], "success": extra}}] if extra else []
-        reply = self.transport.txn(ours, [delete, *extra], [_range(lock_key), *record], lock.key)
+        waits = anyone_waits(lock.key)
+        reply = self.transport.txn(ours, [delete, *extra, waits], [_range(lock_key), *record, waits], lock.key)
         lock.released = True
         self.session(lock.ttl).locks.discard(lock)
-        if reply.get("succeeded"):
-            return Released(1)
-        return Released(-1 if _kvs((reply.get("responses") or [{}])[0]) else 0)
+        responses = reply.get("responses") or [{}]
+        status = 1 if reply.get("succeeded") else (-1 if _kvs(responses[0]) else 0)
+        handoffs: tuple[Handoff, ...] = ()
+        if status != -1 and _kvs(responses[-1]):  # a line: the key passes to its first live waiter
+            if succeeded and lock.owner_id:  # the holder's redelivered copy, if it parked, never runs
+                self.waiting.drop_copy(lock.key, entry_for(lock.owner_id, retries))
+            handoffs = tuple(self.waiting.hand_on(lock.key))
+            self.dispatch(handoffs)
+        return Released(status, handoffs)
 
     def renew(self, lock: Lock) -> bool:
         result = self.renew_many([lock])[0]
@@ -243,7 +289,7 @@ class EtcdLockServer:
 
     def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]:
         """ONE keep-alive per session, however many of its locks are due (none when another round
-        confirmed it within the last sixth of its TTL). Every lock on a live lease is confirmed
+        confirmed it within the last period, a third of its TTL). Every lock on a live lease is confirmed
         as of the keep-alive's send time; on a lease found gone, every lock on it is lost. A round of
         at most VERIFY_UP_TO locks also reads their keys in one txn, so a lock deleted from outside
         (an operator's ``celery locks release``) is found lost at once, as on Redis."""
@@ -336,30 +382,3 @@ class EtcdLockServer:
         reply = self.transport.txn([_compare_create(lock_key, found.fencing_token or 0)],
                                    [{"request_delete_range": {"key": b64(lock_key)}}], [], key)
         return (1, found.raw.encode(), 1) if reply.get("succeeded") else (-1, found.raw.encode(), 0)
-
-
-class EtcdRecords:
-    """The few plain Redis-hash calls beat's run record makes (``hgetall``, ``hset``), as etcd keys
-    ``<root>hash/<name>/<field>`` without a lease."""
-
-    def __init__(self, server: EtcdLockServer) -> None:
-        self.server = server
-
-    def _prefix(self, name: str) -> str:
-        return f"{layout.ETCD_ROOT}hash/{name}/"
-
-    def hgetall(self, name: str) -> dict[bytes, bytes]:
-        prefix = self._prefix(name)
-        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-        reply = self.server.transport.call("/kv/range", {"key": b64(prefix), "range_end": b64(end)}, name)
-        return {unb64(kv["key"])[len(prefix):]: unb64(kv.get("value")) for kv in reply.get("kvs") or []}
-
-    def hset(self, name: str, field: str, value: str | bytes) -> int:
-        self.server.transport.call("/kv/put", {"key": b64(self._prefix(name) + field), "value": b64(value)}, name)
-        return 1
-
-    def config_get(self, *_: Any) -> dict[str, str]:
-        return {}
-
-    def __repr__(self) -> str:
-        return f"EtcdRecords({json.dumps(self.server.url)})"

@@ -353,9 +353,9 @@ class Watchdog:
         for ttl, group in renewed.items():
             if self._suspects:
                 self._suspects.difference_update(group)
-            # TTL/3 after this tick's instant (<= the send time): a fixed period; never after a
-            # deadline that a server's extra margin (a quorum's drift) brought nearer
-            self._wheel.schedule_all(group, round_time + ttl / 3)
+            # TTL/3 after this tick's instant (<= the send time), or after the lease's keep-alive the group
+            # took as its own (etcd: one per period); never after a deadline that an extra margin brought nearer
+            self._wheel.schedule_all(group, min(round_time, group[0].confirmed_at) + ttl / 3)
             for lock in group:
                 if lock.extra_margin:
                     self._wheel.schedule(lock, min(round_time + ttl / 3, lock.deadline))

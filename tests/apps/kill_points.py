@@ -56,26 +56,11 @@ def install() -> None:
     elif point == "handoff":
         # only a RELEASE's hand-off: the sweeper dispatches hand-offs too (a timed-out waiter's copy),
         # and a sweeper that killed its process there would lose that copy, which no test asks for
-        release, dispatch = LockServer.release, LockServer.dispatch
+        from celery_singleton_lock.topologies.etcd import EtcdLockServer
+
         releasing_now = threading.local()
-
-        @functools.wraps(release)
-        def released_here(self: LockServer, *args: Any, **kwargs: Any) -> Any:
-            releasing_now.on = True
-            try:
-                return release(self, *args, **kwargs)
-            finally:
-                releasing_now.on = False
-
-        @functools.wraps(dispatch)
-        def dispatched(self: LockServer, handoffs: Any) -> None:
-            handoffs = tuple(handoffs)
-            if getattr(releasing_now, "on", False) and any(h.kind != "p" for h in handoffs):
-                _die("handoff")
-            dispatch(self, handoffs)
-
-        LockServer.release = released_here  # type: ignore[method-assign]
-        LockServer.dispatch = dispatched  # type: ignore[method-assign]
+        for server_class in (LockServer, EtcdLockServer):
+            _wrap_release(server_class, releasing_now)
     elif point == "released":
         release = releasing.release
 
@@ -86,3 +71,26 @@ def install() -> None:
             return status
 
         releasing.release = released  # type: ignore[assignment]
+
+
+def _wrap_release(server_class: Any, releasing_now: threading.local) -> None:
+    """Kill the process when ``server_class``'s release dispatches a task's hand-off (see ``handoff``)."""
+    release, dispatch = server_class.release, server_class.dispatch
+
+    @functools.wraps(release)
+    def released_here(self: Any, *args: Any, **kwargs: Any) -> Any:
+        releasing_now.on = True
+        try:
+            return release(self, *args, **kwargs)
+        finally:
+            releasing_now.on = False
+
+    @functools.wraps(dispatch)
+    def dispatched(self: Any, handoffs: Any) -> None:
+        handoffs = tuple(handoffs)
+        if getattr(releasing_now, "on", False) and any(h.kind != "p" for h in handoffs):
+            _die("handoff")
+        dispatch(self, handoffs)
+
+    server_class.release = released_here
+    server_class.dispatch = dispatched
