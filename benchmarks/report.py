@@ -304,8 +304,10 @@ def render(results: dict[str, Any], smoke: bool) -> dict[str, str]:
     ren = results["renewals"]
     sections["commands"] = (
         f"**Lock-server traffic per task** ({cmd[variants[0]]['n']} tasks per variant; round trips and "
-        "commands sent = what clients sent, seen by MONITOR; server-side = INFO commandstats delta, "
-        "which also counts the commands scripts run)\n\n"
+        "commands sent = what clients sent, seen by MONITOR, but for the sweeper's look at the waiting "
+        "index (an EVALSHA once a second per worker process, whatever the tasks do: "
+        f"{cmd['ours'].get('exec_background', '?') if 'ours' in cmd else '?'} during ours' pass); server-side = "
+        "INFO commandstats delta, which also counts the commands scripts run, the sweeper's too)\n\n"
         + _table(["variant", "publish round trips", "publish: sent", "execution round trips", "execution: sent",
                   "server-side commands (publish / execution)", "Redis time µs (publish / execution)"], rows)
         + redis_time_note(cmd, variants)
