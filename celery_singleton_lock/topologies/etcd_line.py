@@ -52,6 +52,8 @@ class Server(Protocol):
 
 HEADS = 32
 """Waiters one hand-on reads from the front of a line (the expired among them are left to the sweeper)."""
+LOOK_EVERY = 1.0
+"""Seconds a key's look is lent to one sweeper (its lease lives one to two seconds)."""
 GONE_FOR = 600.0
 """Seconds a tombstone of an entry that left the line lives (as on Redis)."""
 
@@ -326,11 +328,18 @@ class EtcdLine:
         made = 0
         for kv in reply.get("kvs") or []:
             key = unb64(kv["key"]).decode()[len(layout.ETCD_WAITING):]
-            if sweepable(key):
+            if sweepable(key) and self._lend(key):
                 handoffs = self.sweep(key)
                 made += sum(1 for h in handoffs if h.what == "run")
                 self.server.dispatch(handoffs)
         return made
+
+    def _lend(self, key: str) -> bool:
+        """Take ``key``'s look for this sweeper for a second or two (a key on a shared lease), so that
+        the sweepers of every worker process do not all read a long line every second."""
+        lent = layout.ETCD_ROOT + "sweep/" + key
+        return bool(self._txn([_compare_create(lent, 0)], [_put(lent, b"", self._lease(LOOK_EVERY))], [],
+                              key).get("succeeded"))
 
     def sweep(self, key: str) -> list[Handoff]:
         """One look at ``key``'s line (see :meth:`sweep_all`); the hand-offs to send."""
