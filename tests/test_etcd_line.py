@@ -213,3 +213,22 @@ def test_one_keep_alive_per_period_for_locks_taken_at_different_moments(server):
             watchdog.forget(lock)
             server.release(lock)
         watchdog.shutdown()
+
+
+def test_a_revoked_task_leaves_every_line_it_waits_in(server):
+    """``AsyncResult.revoke()`` of a waiting task (revoke.py) takes it out of every etcd line; if a key
+    was reserved for it, the key passes on."""
+    first, second = new_name(), new_name()
+    holder = server.acquire(first, 30, owner_id="holder")
+    assert isinstance(holder, Lock)
+    park(server, first, "doomed")
+    park(server, first, "kept")
+    server.release(holder)  # the first key is now reserved for "doomed"
+    other = server.acquire(second, 30, owner_id="holder")
+    park(server, second, "doomed")
+    server.sent.clear()
+    left = server.waiting.remove("doomed")
+    assert sorted(left) == sorted([holder.key, other.key])
+    assert lines.line(server, first) == ["kept"] and lines.line(server, second) == []
+    assert [(h.what, h.owner_id) for h in server.sent] == [("run", "kept")]  # the reserved key passed on
+    server.release(other)

@@ -43,7 +43,7 @@ from ..engine.line import entry_for
 from ..engine.lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, slot_safe
 from ..engine.server import DEFAULT_TURN_TIMEOUT, TOKEN_BYTES, HandoffSender
 from ..exceptions import LockBackendUnavailable, LockError
-from .etcd_line import EtcdLine, anyone_waits
+from .etcd_line import EtcdLine, anyone_waits, line_is_empty
 from .etcd_records import EtcdRecords
 from .etcd_session import DoneLeases, LeaseGone, Session, Sessions, Transport, b64, lease_ttl, parse_etcd_url, unb64
 from .etcd_txn import LATE, Doubts, _compare_create, _compare_value, _kvs, _put, _range, _value, not_tombed, tomb
@@ -252,8 +252,9 @@ class EtcdLockServer:
                 again: bool = False, retries: int = 0, cooldown: float = 0.0,
                 presend: float = 0.0) -> Released:
         """Delete the key if it is still ours (its create revision is our fencing token, its value our
-        token's): one txn, which also reads whether anyone waits; if so, a second txn hands the key to
-        the first in line and its message is sent (:mod:`.etcd_line`).
+        token's) and nobody waits: one txn. If someone waits, one more look at the line's head and one
+        txn that deletes the key and reserves it for the first live waiter at once; its message is
+        then sent (:mod:`.etcd_line`).
         ``succeeded`` with ``remember`` > 0 keeps ``value`` as the owner's done record that long."""
         if lock.pid != os.getpid():
             return Released(-2)
@@ -267,19 +268,29 @@ class EtcdLockServer:
                                                                                             lock.owner_id))]
         # a lock already gone (expired) still records the success; one another holds records nothing
         record = [{"request_txn": {"compare": [_compare_create(lock_key, 0)], "success": extra}}] if extra else []
-        waits = anyone_waits(lock.key)
-        reply = self.transport.txn(ours, [delete, *extra, waits], [_range(lock_key), *record, waits], lock.key)
+        free_line = line_is_empty(lock.key)
+        reply = self.transport.txn([*ours, free_line], [delete, *extra],
+                                   [_range(lock_key), *record, anyone_waits(lock.key)], lock.key)
         lock.released = True
         self.session(lock.ttl).locks.discard(lock)
+        if reply.get("succeeded"):  # nobody waits: the common case, one txn
+            return Released(1)
         responses = reply.get("responses") or [{}]
-        status = 1 if reply.get("succeeded") else (-1 if _kvs(responses[0]) else 0)
-        handoffs: tuple[Handoff, ...] = ()
-        if status != -1 and _kvs(responses[-1]):  # a line: the key passes to its first live waiter
+        held = _kvs(responses[0])
+        mine = bool(held) and int(held[0].get("create_revision", 0)) == lock.fencing_token and \
+            unb64(held[0].get("value")) == _value(lock.token, lock.ttl, lock.owner_id).encode()
+        handoffs: list[Handoff] = []
+        if mine:  # ours, and someone waits: deleted and handed on in one txn
             if succeeded and lock.owner_id:  # the holder's redelivered copy, if it parked, never runs
                 self.waiting.drop_copy(lock.key, entry_for(lock.owner_id, retries))
-            handoffs = tuple(self.waiting.hand_on(lock.key))
-            self.dispatch(handoffs)
-        return Released(status, handoffs)
+            released, handoffs = self.waiting.hand_over(lock.key, ours, [delete, *extra])
+            status = 1 if released else 0
+        else:
+            status = -1 if held else 0
+            if not held and _kvs(responses[-1]):  # gone already (expired), with a line: pass the key on
+                handoffs = self.waiting.hand_on(lock.key)
+        self.dispatch(handoffs)
+        return Released(status, tuple(handoffs))
 
     def renew(self, lock: Lock) -> bool:
         result = self.renew_many([lock])[0]

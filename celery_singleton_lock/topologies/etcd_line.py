@@ -7,12 +7,12 @@ makes one order for the whole cluster, across leader changes too (band ``0`` fir
 turn came back). Where etcd's mutex has each waiter watch its predecessor, a parked task has nobody
 to watch: the key is handed on instead, as on Redis.
 
-* **Release, in two steps.** The holder's txn deletes its key and reads whether anyone waits; if so,
-  a second txn (:meth:`hand_on`) reserves the key for the first live waiter (``etcd_turn(K)`` = its
-  entry, only while the key is free and reserved for nobody), and the releaser sends its message.
-  A releaser that dies between the two leaves a free key with a line: a fresh acquire compares that
-  the line is empty, so the next caller parks instead of jumping it, and hands the key on itself;
-  every worker's sweeper does too.
+* **Release.** The holder's txn deletes its key only while nobody waits (a compare on the line's
+  range). If someone does, one look at the line's head and ONE txn delete the key and reserve it for
+  the first live waiter (``etcd_turn(K)`` = its entry; :meth:`hand_over`), and the releaser sends its
+  message. A key freed any other way (its holder's lease ran out) is handed on by :meth:`hand_on`,
+  only while it is free and reserved for nobody: by the next caller, who finds the line (a fresh
+  acquire compares that it is empty) and parks, or by a worker's sweeper.
 * **Claim.** The waiter's message comes back carrying its entry; its acquire takes the key only
   while ``etcd_turn(K)`` names that entry, deleting its waiter key in the same txn (a tombstone,
   ``etcd_gone``, says it left for good, so a redelivery of its parked message is dropped).
@@ -50,6 +50,7 @@ class Server(Protocol):
 
     def dispatch(self, handoffs: Iterable[Handoff]) -> None: ...
 
+Ops = list[dict[str, Any]]  # compares or operations of an etcd txn (the gateway's JSON)
 HEADS = 32
 """Waiters one hand-on reads from the front of a line (the expired among them are left to the sweeper)."""
 LOOK_EVERY = 1.0
@@ -108,8 +109,7 @@ def anyone_waits(key: str) -> dict[str, Any]:
     return _prefix_range(layout.etcd_line(key), limit=1, keys_only=True)
 
 
-def _keys(name: str) -> dict[str, Any]:
-    """The read of whether ``name`` exists (no value)."""
+def _keys(name: str) -> dict[str, Any]:  # the read of whether ``name`` exists (no value)
     return {"request_range": {"key": b64(name), "keys_only": True}}
 
 
@@ -304,6 +304,29 @@ class EtcdLine:
             if self._txn(compare, [_put(turn, chosen.entry, lease), handed], [], key).get("succeeded"):
                 return chosen
         return None
+
+    def hand_over(self, key: str, ours: Ops, release: Ops) -> tuple[bool, list[Handoff]]:
+        """The holder's release when someone waits: delete the lock (``release``, while ``ours`` holds)
+        AND reserve the key for the first live waiter in ONE txn, so that no sweeper or newcomer acts in
+        between. (Whether it released, the hand-off to send.)"""
+        turn = layout.etcd_turn(key)
+        for _ in range(8):  # a waiter that left between the look and the txn: look again
+            reads = [_prefix_range(layout.etcd_line(key) + b, limit=HEADS, by_revision=True) for b in layout.ETCD_BANDS]
+            now = _now_ms()
+            waiters = self._waiters(key, self._txn([], reads, [], key).get("responses") or [])
+            chosen = next((w for w in waiters if w.record.deadline_ms > now), None)
+            if chosen is None:  # nobody live waits (the sweepers time the others out)
+                break
+            compare = [*ours, _compare_create(turn, 0),
+                       {"key": b64(chosen.name), "target": "MOD", "result": "EQUAL", "mod_revision": str(chosen.mod)}]
+            handed = _put(chosen.name, chosen.raw[:1] + b"h" + chosen.raw[2:], 0)  # (see _reserve)
+            reserve = _put(turn, chosen.entry, self._lease(chosen.record.ttl_ms / 1000))
+            if self._txn(compare, [*release, reserve, handed], [], key).get("succeeded"):
+                return True, [chosen.handoff(key, "run")]
+            if not self._txn(ours, [], [], key).get("succeeded"):
+                return False, []  # no longer ours (it expired meanwhile)
+        released = bool(self._txn(ours, release, [], key).get("succeeded"))
+        return released, self.hand_on(key) if released else []
 
     def confirm(self, key: str, entry: str) -> bool:
         """The hand-off's message was sent: the key stays reserved for it up to ``turn_timeout``."""
