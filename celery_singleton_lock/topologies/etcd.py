@@ -11,17 +11,17 @@ The design is etcd's concurrency package:
   the process is put with it, and the watchdog keeps it alive with ONE keep-alive per round however
   many locks hang on it (:meth:`EtcdLockServer.renew_many`). A lost lease marks every lock on it
   lost at once (``lock_lost``, ``.lost``, ``ensure()``);
-* **acquire** is one txn: ``create_revision(K) == 0`` (and, for a redelivery, no done record) ->
-  put K on the session's lease; else read who holds it;
-* **release** is one txn: ``create_revision(K) == ours`` -> delete K (and keep a done record on
-  a lease of its own when asked), so only the holder's own incarnation of the key is ever deleted;
+* **acquire** is one txn: ``create_revision(K) == 0``, nobody in K's line and no turn reserved
+  (and, for a redelivery, no done record) -> put K on the session's lease; else read who holds it;
+* **release** is one txn: ``create_revision(K) == ours`` and nobody waits -> delete K (and keep a
+  done record on a lease of its own when asked), so only the holder's own incarnation of the key is
+  ever deleted; with waiters, one more txn deletes K and reserves the key for the first of them;
 * an acquire whose reply never came is settled later, so its put, if it lands late, never keeps a
   lock nobody holds (:mod:`.etcd_txn`);
 * **fencing**: ``fencing_token`` is K's create revision. Raft orders every write of the cluster,
-  so the next holder's revision is strictly greater, across leader changes too.
-
+  so the next holder's revision is strictly greater, across leader changes too;
 * **the waiting line**: waiters are keys ordered by create revision, handed the key on release
-  (:mod:`.etcd_line`); a fresh acquire also compares that nobody waits, so nobody jumps the line.
+  (:mod:`.etcd_line`).
 
 Not here: ``singleton_lock_min_replicas`` (every write is already committed by a majority), merging
 calls and waiting in a worker slot (see :mod:`.etcd_line`).
