@@ -8,7 +8,7 @@ PID), then measures, for each backend, in this one process:
 * **per-task lock cost**: ``--ops`` sequential acquire + release pairs of fresh keys, as a task does
   them (one owner id each); median and p99 of the pair, in microseconds;
 * **keep-alive cost with ``--locks`` locks held**: the locks are taken, one watchdog tracks each as
-  soon as it is taken, and over two TTLs (after one TTL to settle) we count the process CPU (every thread) per wall
+  soon as it is taken, and over five TTLs (after one TTL to settle) we count the process CPU (every thread) per wall
   second and the round trips sent: on etcd the session's keep-alives (ONE per round however many
   locks), on Redis the watchdog's pipelined rounds of EVALSHA;
 * **hand-off latency**: a waiter parked behind a held key, then the holder's release (which hands
@@ -90,7 +90,8 @@ def handoff(url: str, rounds: int) -> dict[str, float]:
 
 
 def keepalive(url: str, count: int, ttl: float) -> dict[str, Any]:
-    """``count`` locks held and tracked by one watchdog: CPU per wall second and round trips over 2 TTLs."""
+    """``count`` locks held and tracked by one watchdog: CPU per wall second and round trips over 5 TTLs (a
+    window long enough that the CPU clock's 10 ms steps and one round more or less do not move the figure)."""
     server = from_settings(url)
     watchdog = Watchdog()
     taken_at = time.monotonic()
@@ -106,7 +107,7 @@ def keepalive(url: str, count: int, ttl: float) -> dict[str, Any]:
     keepalives_before = sum(s.keepalives for s in sessions)
     rounds_before = watchdog.rounds
     cpu_before, wall_before = time.process_time(), time.monotonic()
-    time.sleep(2 * ttl)
+    time.sleep(5 * ttl)
     cpu = time.process_time() - cpu_before
     wall = time.monotonic() - wall_before
     lost = sum(1 for lock in locks if lock.lost)
@@ -187,7 +188,7 @@ def render(res: dict[str, Any], table: Any) -> str:
                      f"{h['p50_us']:.0f} / {h['p99_us']:.0f}" if isinstance(h, dict) else "n/a"])
     return ("**etcd against Redis** (benchmarks/etcd_bench.py, one process, a private redis-server and a private "
             "one-member etcd that fsyncs its log; per-task cost = one acquire + release of a fresh key, µs; "
-            "keep-alive cost = the process's CPU while one watchdog keeps the locks alive, over two TTLs of 3 s; "
+            "keep-alive cost = the process's CPU while one watchdog keeps the locks alive, over five TTLs of 3 s; "
             "hand-off = a waiter parked behind a held key, from the holder's release (which hands the key on "
             "and sends the waiter: here to a function, no broker) to the waiter's claim, µs p50 / p99; in a "
             "worker the broker's publish-to-start comes on top)\n\n"

@@ -329,8 +329,8 @@ class EtcdLockServer:
                 if lock.last_error is not None:
                     lock.last_error = None
             out.append(result)
-        alive = [i for i, result in enumerate(out) if result is True]
-        if 0 < len(alive) <= VERIFY_UP_TO:
+        alive = [i for i, result in enumerate(out) if result is True] if len(locks) <= VERIFY_UP_TO else []
+        if alive:
             for i, found in zip(alive, self._still_ours([locks[i] for i in alive]), strict=True):
                 out[i] = found
         return out

@@ -356,9 +356,8 @@ class Watchdog:
             # TTL/3 after this tick's instant (<= the send time), or after the lease's keep-alive the group
             # took as its own (etcd: one per period); never after a deadline that an extra margin brought nearer
             self._wheel.schedule_all(group, min(round_time, group[0].confirmed_at) + ttl / 3)
-            for lock in group:
-                if lock.extra_margin:
-                    self._wheel.schedule(lock, min(round_time + ttl / 3, lock.deadline))
+            for lock in group if group[0].extra_margin else ():  # (a server's locks share their margin)
+                self._wheel.schedule(lock, min(round_time + ttl / 3, lock.deadline))
         return failed, sum(len(group) for group in renewed.values()), first_error
 
     def _renew_on(self, server: Backend, locks: list[Lock], chunk: int) -> list[bool | LockError]:
