@@ -507,6 +507,25 @@ def test_every_operation_survives_script_flush(any_redis):
     assert server.release(lock)
 
 
+def test_a_script_is_loaded_where_it_runs_when_the_pool_and_the_thread_disagree(redis_server, fresh_redis):
+    """Right after a Sentinel failover the client's pool and this thread's own connection may reach
+    different servers for a moment. The script must be loaded on the connection that runs it: loading
+    it through the pool made the retried EVALSHA fail with NOSCRIPT again, and the task FAILED with
+    LockBackendRefused (seen once in tests/test_sentinel.py's unplanned failover)."""
+    server = LockServer.from_url(fresh_redis.url(DB))  # its pool: the fresh server
+    held = LockServer.from_url(redis_server.url(DB))
+    server._held.conn = held.client.connection_pool.get_connection()  # its thread's connection: another
+    name = new_name()
+    lock = server.acquire(name, 10)
+    assert isinstance(lock, Lock)
+    assert redis_server.client(DB).exists(lock.key) and not fresh_redis.client(DB).exists(lock.key)
+    redis_server.client(DB).script_flush()
+    assert server.renew_many([lock]) == [True]
+    assert server.release(lock)
+    held.close()
+    server.close()
+
+
 def test_every_operation_survives_a_restart(fresh_redis):
     server = server_for(fresh_redis)
     warm(server)

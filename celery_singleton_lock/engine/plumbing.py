@@ -70,11 +70,19 @@ class ScriptClient:
         try:
             try:
                 return self._call(self._sha(script), keys, args, wait)
-            except NoScriptError:
-                self._shas.pop(script, None)
-                return self._call(self._sha(script), keys, args, wait)
+            except NoScriptError:  # loaded where the EVALSHA goes: after a failover the pool's connection
+                # and this thread's may be on different servers for a moment
+                return self._call(self._load_here(script), keys, args, wait)
         except RedisError as exc:
             raise self.error(exc, keys[0]) from exc
+
+    def _load_here(self, script: str) -> str:
+        """SCRIPT LOAD on this thread's own connection (the one the next EVALSHA goes to)."""
+        conn = self._held_conn()
+        conn.send_command("SCRIPT", "LOAD", script)
+        reply = conn.read_response()
+        sha = self._shas[script] = reply.decode() if isinstance(reply, bytes) else str(reply)
+        return sha
 
     def _packed(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool) -> bytes:
         data = wire.pack(sha, keys, args)
@@ -134,8 +142,7 @@ class ScriptClient:
         script if Redis lost it (restart, SCRIPT FLUSH, failover): what every batched renewal uses."""
         replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
         if any(isinstance(r, NoScriptError) for r in replies):
-            self._shas.pop(scripts.RENEW_MANY, None)
-            replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
+            replies = self._pipeline_evalsha(self._load_here(scripts.RENEW_MANY), chunks)
         return replies
 
     def _pipeline_evalsha(self, sha: str, chunks: Iterable[Sequence[Lock]]) -> list[Any]:
