@@ -142,7 +142,8 @@ class ScriptClient:
         script if Redis lost it (restart, SCRIPT FLUSH, failover): what every batched renewal uses."""
         replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
         if any(isinstance(r, NoScriptError) for r in replies):
-            replies = self._pipeline_evalsha(self._load_here(scripts.RENEW_MANY), chunks)
+            self._shas.pop(scripts.RENEW_MANY, None)
+            replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
         return replies
 
     def _pipeline_evalsha(self, sha: str, chunks: Iterable[Sequence[Lock]]) -> list[Any]:

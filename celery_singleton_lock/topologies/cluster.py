@@ -202,6 +202,12 @@ class ClusterLockServer(LockServer):
             sha = self._shas[script] = str(self.cluster.script_load(script))
         return sha
 
+    def _load_here(self, script: str) -> str:
+        """After NOSCRIPT: loaded again on every master, as the first load was (the command's own
+        node connection is picked per slot in _call)."""
+        self._shas.pop(script, None)
+        return self._sha(script)
+
     def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False) -> Any:
         try:
             return super().run(script, keys, args, replicated=replicated)
