@@ -40,7 +40,7 @@ from typing import Any
 
 from .headers import PARKED_AT
 from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
-from .watchdog import renewer as watchdog
+from .watchdog import rounds as watchdog
 
 PREFIX = "celery_singleton_lock_"
 

@@ -19,7 +19,7 @@ from celery_singleton_lock.engine.lock import Holder, Lock
 from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable, LockLost
 from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 from celery_singleton_lock.testing.servers import wait_until
-from celery_singleton_lock.topologies.etcd import EtcdLockServer
+from celery_singleton_lock.topologies.etcd import VERIFY_UP_TO, EtcdLockServer
 from celery_singleton_lock.topologies.etcd_session import parse_etcd_url
 from celery_singleton_lock.topologies.servers import from_settings, shared
 from celery_singleton_lock.topologies.urls import lock_source, topology
@@ -73,21 +73,30 @@ def test_an_unreachable_cluster_is_unavailable_with_the_password_redacted():
 
 
 def test_one_keep_alive_per_round_however_many_locks(etcd_server):
-    """300 locks of one process hang on one lease: a renewal round is ONE keep-alive (plus, for a
-    small round only, one txn of reads), and every lock is confirmed by it."""
+    """300 locks of one process hang on one lease: the session's round is ONE keep-alive (plus, for
+    few locks only, one txn of reads), and every lock takes its confirmation as its own."""
     server = EtcdLockServer.from_url(etcd_server.url())
     locks = [server.acquire(new_name(), 4, owner_id=f"t{i}") for i in range(300)]
     assert all(isinstance(lock, Lock) for lock in locks)
     [session] = server.sessions()
-    assert len(session.locks) == 300
+    assert len(session.locks) == 300 and all(lock.shared is session for lock in locks)
     time.sleep(1.5)  # past a third of the TTL (a period): the next round keeps the lease alive
     before = session.keepalives  # (taking 300 locks on a slow machine may have kept it alive already)
-    results = server.renew_many(locks)
-    assert results == [True] * 300 and session.keepalives == before + 1
+    assert session.keep(locks, 5.0) == (True, []) and session.keepalives == before + 1
+    assert {lock.confirmed_at for lock in locks} == {session.confirmed_at}
     assert server.renew_many(locks) == [True] * 300 and session.keepalives == before + 1  # confirmed just now
-    confirmed = {lock.confirmed_at for lock in locks}
-    assert confirmed == {session.confirmed_at}
     for lock in locks:
+        assert server.release(lock)
+
+
+def test_a_small_session_round_reads_its_keys_and_finds_one_deleted_from_outside(etcd_server):
+    server = EtcdLockServer.from_url(etcd_server.url())
+    locks = [server.acquire(new_name(), 4) for _ in range(3)]
+    [session] = server.sessions()
+    assert EtcdLockServer.from_url(etcd_server.url()).force_release(locks[1].key)[0] == 1  # an operator's release
+    assert session.keep(locks, 5.0) == (True, [locks[1]])
+    assert server.renew_many(locks) == [True, False, True]
+    for lock in (locks[0], locks[2]):
         assert server.release(lock)
 
 
@@ -104,6 +113,59 @@ def test_the_watchdog_keeps_many_locks_with_one_keep_alive_per_period(etcd_serve
         assert session.keepalives <= 4  # ~one per TTL/3 (3 s lease): not one per lock, nor per tick
     finally:
         for lock in locks:
+            watchdog.forget(lock)
+            server.release(lock)
+        watchdog.shutdown()
+
+
+def test_the_watchdog_keeps_a_session_on_one_timer_and_finds_an_outside_delete(etcd_server):
+    """The watchdog schedules the session, not its locks (one timer for 50 locks), and its round
+    still reads a small session's keys: a lock deleted by an operator is found lost and untracked."""
+    server = EtcdLockServer.from_url(etcd_server.url())
+    watchdog = Watchdog(tick=0.05)
+    lost = threading.Event()
+    locks = [server.acquire(new_name(), 3) for _ in range(50)]
+    try:
+        for lock in locks:
+            watchdog.track(lock, on_lost=lambda lock, reason: lost.set())
+        assert len(watchdog) == 50 and len(watchdog._wheel) + len(watchdog._in_flight) == 1  # the session
+        [session] = server.sessions()
+        EtcdLockServer.from_url(etcd_server.url()).force_release(locks[7].key)
+        assert lost.wait(10), "the round after the delete found it"
+        assert locks[7].lost and locks[7] not in watchdog and len(watchdog) == 49
+        wait_until(lambda: session.keepalives >= 2, 10, 0.05, "two keep-alive periods")
+        assert not any(lock.lost for i, lock in enumerate(locks) if i != 7)
+    finally:
+        for lock in locks:
+            watchdog.forget(lock)
+            server.release(lock)
+        assert len(watchdog._wheel) == 0  # the last lock forgotten takes the session's timer
+        watchdog.shutdown()
+
+
+def test_a_lease_lost_and_granted_anew_loses_the_old_locks_and_keeps_the_new(etcd_server):
+    """An acquire finds the session's lease gone (revoked from outside) and grants a new one: the
+    watchdog's next round loses and untracks every lock of the old lease, and keeps the new lock."""
+    server = EtcdLockServer.from_url(etcd_server.url())
+    watchdog = Watchdog(tick=0.05)
+    old = [server.acquire(new_name(), 3) for _ in range(VERIFY_UP_TO + 2)]  # too many to read their keys
+    fresh = None
+    try:
+        for lock in old:
+            watchdog.track(lock)
+        [session] = server.sessions()
+        first_lease = session.lease
+        EtcdLockServer.from_url(etcd_server.url()).transport.call("/kv/lease/revoke", {"ID": str(first_lease)})
+        fresh = server.acquire(new_name(), 3)  # its put names the dead lease: LeaseGone, then a new session
+        assert isinstance(fresh, Lock) and fresh.lease != first_lease and session.lease == fresh.lease
+        watchdog.track(fresh)
+        wait_until(lambda: not any(lock in watchdog for lock in old), 10, 0.05, "the old locks untracked")
+        assert all(lock.lost for lock in old) and fresh in watchdog
+        before = session.keepalives
+        wait_until(lambda: session.keepalives >= before + 2, 10, 0.05, "two periods of the new lease")
+        assert not fresh.lost and len(watchdog) == 1 and watchdog.losses == len(old)
+    finally:
+        for lock in [*old, *([fresh] if isinstance(fresh, Lock) else [])]:
             watchdog.forget(lock)
             server.release(lock)
         watchdog.shutdown()

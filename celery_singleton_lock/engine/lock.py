@@ -125,6 +125,24 @@ class Backend(Protocol):
     def with_timeout(self, seconds: float) -> Backend: ...
 
 
+class Shared(Protocol):
+    """A lease that many locks of this process hang on (etcd's session). The watchdog keeps it
+    alive as one, on one timer, and never renews the locks on it one by one: with 10,000 locks
+    held, one keep-alive per period and no per-lock work (the locks take its confirmation as theirs)."""
+
+    lease: int
+    """Which lease it is now (it changes when the lease is found gone and granted again)."""
+    confirmed_at: float
+    """``time.monotonic()`` when its last confirmed grant or keep-alive was SENT."""
+
+    def __hash__(self) -> int: ...
+
+    def keep(self, locks: Sequence[Lock], timeout: float) -> tuple[bool | LockError, list[Lock]]:
+        """One keep-alive (none if confirmed within the period): True alive, False gone, or the error;
+        and which of ``locks`` (the watchdog passes them only when few) are no longer held."""
+        ...
+
+
 @dataclass(eq=False)
 class Lock:
     """One held lock: the handle an execution keeps while it runs.
@@ -160,6 +178,9 @@ class Lock:
     """The last renewal error since the last confirmed renewal (for the loss reason)."""
     lease: int = 0
     """On etcd, the lease its key was put with (its session's): renewed with that lease (0 elsewhere)."""
+    shared: Shared | None = field(default=None, repr=False)
+    """The lease it shares with the process's other locks (etcd's session), which the watchdog keeps
+    alive instead of this lock (None: the lock is renewed on its own, as on Redis)."""
     renewal_parts: tuple[bytes, bytes] | None = field(default=None, repr=False)
     """Its part of a renewal command, packed once by :func:`~celery_singleton_lock.engine.wire.pack_renewals`."""
     depth: int = 1

@@ -8,9 +8,9 @@ The client is the ``[etcd]`` extra (etcd3gw: etcd's gRPC-gateway JSON API).
 The design is etcd's concurrency package:
 
 * a **session**: one lease per worker process (and lock TTL), granted on first use; every lock of
-  the process is put with it, and the watchdog keeps it alive with ONE keep-alive per round however
-  many locks hang on it (:meth:`EtcdLockServer.renew_many`). A lost lease marks every lock on it
-  lost at once (``lock_lost``, ``.lost``, ``ensure()``);
+  the process is put with it, and the watchdog keeps the SESSION alive, on one timer with ONE
+  keep-alive per period however many locks hang on it (:meth:`EtcdLockServer.keep_session`): no
+  per-lock work. A lost lease marks every lock on it lost at once (``lock_lost``, ``.lost``, ``ensure()``);
 * **acquire** is one txn: ``create_revision(K) == 0``, nobody in K's line and no turn reserved
   (and, for a redelivery, no done record) -> put K on the session's lease; else read who holds it;
 * **release** is one txn: ``create_revision(K) == ours`` and nobody waits -> delete K (and keep a
@@ -51,14 +51,12 @@ from .etcd_txn import LATE, Doubts, _compare_create, _compare_value, _kvs, _put,
 logger = logging.getLogger("celery_singleton_lock")
 
 FRESH_FOR = 1 / 3
-"""A session confirmed less than this share of its TTL ago (one renewal period) needs no keep-alive in a
-renewal round: its locks take that confirmation as theirs and are next due one period after it, when
-the lease is due too (the watchdog schedules them so), so rounds of locks due at different ticks fall
-onto the lease's own period and ONE keep-alive per period keeps every lock alive. A lock so confirmed
-is due two periods before its deadline, as a renewed Redis lock is."""
+"""A session confirmed less than this share of its TTL ago (one renewal period) needs no keep-alive
+before a lock is put on it: the lock takes that confirmation as its own (a :class:`.SessionLock`
+reads its session's), and the watchdog keeps the session alive one period after it."""
 VERIFY_UP_TO = 128
-"""A renewal round of at most this many locks also reads their keys (one txn: etcd's default limit of
-operations per txn); a larger round only keeps the lease alive (see renew_many)."""
+"""A session with at most this many locks on it also has their keys read when it is kept alive (one
+txn: etcd's default limit of operations per txn); a larger one only keeps the lease alive."""
 
 
 class EtcdLockServer:
@@ -77,7 +75,7 @@ class EtcdLockServer:
         self.replica_timeout = 0.0
         self.client = EtcdRecords(self)
         """Plain reads and writes that take no lock (beat's run record)."""
-        self._registry = Sessions()  # shared with the twins
+        self._registry = Sessions(self.keep_session)  # shared with the twins
         self._done_leases = DoneLeases()
         self._doubts = Doubts()  # shared with the twins: acquires whose reply never came
         self._twins: dict[float, EtcdLockServer] = {}
@@ -231,9 +229,7 @@ class EtcdLockServer:
                 confirmed: float) -> Lock:
         """The handle of a lock put on ``session``'s lease: trusted as long as the lease lives (its
         last confirmation plus its TTL), renewed with the session."""
-        lock = Lock(self, key, token, revision, float(session.ttl), owner_id, confirmed_at=confirmed,
-                    lease=session.lease)
-        session.locks.add(lock)
+        lock = session.new_lock(self, key, token, revision, owner_id, confirmed)
         if time.monotonic() >= lock.deadline - lock.ttl / 3:  # no time left for the first keep-alive
             self.release(lock)
             raise LockBackendUnavailable(self.url, f"the acquire of {key} came too late to be trusted "
@@ -299,41 +295,34 @@ class EtcdLockServer:
         return result
 
     def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]:
-        """ONE keep-alive per session, however many of its locks are due (none when another round
-        confirmed it within the last period, a third of its TTL). Every lock on a live lease is confirmed
-        as of the keep-alive's send time; on a lease found gone, every lock on it is lost. A round of
-        at most VERIFY_UP_TO locks also reads their keys in one txn, so a lock deleted from outside
-        (an operator's ``celery locks release``) is found lost at once, as on Redis."""
-        if self._doubts:  # acquires whose reply never came: tombed, and their key deleted if it landed
+        """Locks renewed by hand (``lock.renew()``): each session kept alive once, as the watchdog
+        keeps it (:meth:`keep_session`: the watchdog keeps sessions, never locks one by one)."""
+        out: list[bool | LockError] = [False] * len(locks)  # False: a lease gone since, or a parent's lock
+        by_session: dict[Session, list[int]] = {}
+        for i, lock in enumerate(locks):
+            session = self.session(lock.ttl)
+            if lock.lease == session.lease and not lock.released and lock.pid == os.getpid():
+                by_session.setdefault(session, []).append(i)
+        for session, at in by_session.items():
+            alive, gone = self.keep_session(session, [locks[i] for i in at], self.transport.timeout)
+            for i in at:
+                out[i] = alive if alive is not True else locks[i] not in gone
+        if not by_session and self._doubts:
             self._doubts.settle(self.transport, self._done_leases)
-        pid = os.getpid()
-        kept: dict[int, bool | LockError] = {}  # each session's keep-alive, sent once
-        out: list[bool | LockError] = []
-        ttl, lease, result, confirmed = -1.0, 0, None, 0.0
-        for lock in locks:  # a round's locks share a session or two: looked up when the TTL changes
-            if lock.ttl != ttl:
-                ttl = lock.ttl
-                session = self.session(ttl)
-                lease, result = session.lease, None
-            if lock.lease != lease or lock.released or lock.pid != pid:  # a lease gone since, or a parent's
-                out.append(False)
-                continue
-            if result is None:
-                result = kept.get(lease)
-                if result is None:
-                    result = kept[lease] = self._keep(session)
-                confirmed = session.confirmed_at
-            if result is True:
-                if lock.confirmed_at < confirmed:
-                    lock.confirmed_at = confirmed
-                if lock.last_error is not None:
-                    lock.last_error = None
-            out.append(result)
-        alive = [i for i, result in enumerate(out) if result is True] if len(locks) <= VERIFY_UP_TO else []
-        if alive:
-            for i, found in zip(alive, self._still_ours([locks[i] for i in alive]), strict=True):
-                out[i] = found
         return out
+
+    def keep_session(self, session: Session, locks: Sequence[Lock], timeout: float) -> tuple[bool | LockError,
+                                                                                            list[Lock]]:
+        """The watchdog's round for a whole session: its keep-alive (none if an acquire confirmed it
+        within the last half period), and, when at most VERIFY_UP_TO locks hang on it, one read of their keys, so a lock
+        deleted from outside (an operator's ``celery locks release``) is found lost at once."""
+        twin = self.with_timeout(timeout)
+        if self._doubts:  # acquires whose reply never came: tombed, and their key deleted if it landed
+            self._doubts.settle(twin.transport, self._done_leases)
+        alive = twin._keep(session, FRESH_FOR / 2)  # due a period after the last: kept unless an acquire just did
+        if alive is not True or not locks or len(locks) > VERIFY_UP_TO:
+            return alive, []
+        return alive, [lock for lock, ours in zip(locks, twin._still_ours(locks), strict=True) if ours is False]
 
     def _still_ours(self, locks: Sequence[Lock]) -> list[bool | LockError]:
         """Whether each lock's key is still its incarnation (one txn of reads)."""
@@ -349,9 +338,9 @@ class EtcdLockServer:
             found.append(bool(kvs) and int(kvs[0].get("create_revision", 0)) == lock.fencing_token)
         return found
 
-    def _keep(self, session: Session) -> bool | LockError:
+    def _keep(self, session: Session, fresh_for: float = FRESH_FOR) -> bool | LockError:
         with session.guard:
-            if session.lease and time.monotonic() - session.confirmed_at < session.ttl * FRESH_FOR:
+            if session.lease and time.monotonic() - session.confirmed_at < session.ttl * fresh_for:
                 return True
             try:
                 return session.keepalive(self.transport)

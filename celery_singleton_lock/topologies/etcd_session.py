@@ -22,12 +22,12 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..engine.addresses import redact_url
-from ..engine.lock import Lock, check_ttl
+from ..engine.lock import Backend, Lock, check_ttl
 from ..exceptions import LockBackendRefused, LockBackendUnavailable, LockError
 
 ETCD_SCHEMES = ("etcd", "etcds")
@@ -190,14 +190,20 @@ def _short(exc: Exception) -> str:
     return text[:300] or type(exc).__name__
 
 
+Keeper = Callable[["Session", Sequence[Lock], float], tuple[bool | LockError, list[Lock]]]
+"""What keeps a session alive for the watchdog (the server's ``keep_session``)."""
+
+
 class Session:
-    """One lease, kept alive for every lock put on it (etcd's concurrency Session).
+    """One lease, kept alive for every lock put on it (etcd's concurrency Session): the watchdog's
+    :class:`~celery_singleton_lock.engine.lock.Shared`.
 
     ``confirmed_at`` is the monotonic send time of the grant or of the last keep-alive that
     etcd answered with a live TTL: the lease lives at least ``ttl`` seconds past it."""
 
-    def __init__(self, ttl: int) -> None:
+    def __init__(self, ttl: int, keeper: Keeper) -> None:
         self.ttl = ttl
+        self.keeper = keeper
         self.lease = 0
         self.confirmed_at = 0.0
         self.locks: weakref.WeakSet[Lock] = weakref.WeakSet()
@@ -205,6 +211,17 @@ class Session:
         self.guard = threading.Lock()
         self.keepalives = 0
         """Keep-alives sent on this session (tests and the benchmark count them)."""
+
+    def keep(self, locks: Sequence[Lock], timeout: float) -> tuple[bool | LockError, list[Lock]]:
+        return self.keeper(self, locks, timeout)
+
+    def new_lock(self, server: Backend, key: str, token: str, revision: int, owner_id: str | None,
+                 confirmed: float) -> Lock:
+        """The handle of a lock just put on this session's lease (confirmed with it from now on)."""
+        lock = SessionLock(server, key, token, revision, float(self.ttl), owner_id, confirmed_at=confirmed,
+                           lease=self.lease, shared=self)
+        self.locks.add(lock)
+        return lock
 
     def ensure(self, transport: Transport, fresh_for: float) -> None:
         """Grant the lease if there is none; keep it alive first if its confirmation is older than
@@ -291,10 +308,30 @@ class DoneLeases:
             return lease
 
 
+class SessionLock(Lock):
+    """A lock put on a session's lease. It is confirmed whenever its lease is (while the session
+    still has that lease), so keeping the session alive keeps it alive: the watchdog renews the
+    session, once per period, and never the lock itself."""
+
+    _confirmed = 0.0
+
+    @property
+    def confirmed_at(self) -> float:
+        session = self.shared
+        if session is not None and session.lease == self.lease and session.confirmed_at > self._confirmed:
+            return session.confirmed_at
+        return self._confirmed
+
+    @confirmed_at.setter
+    def confirmed_at(self, value: float) -> None:
+        self._confirmed = value
+
+
 class Sessions:
     """The process's sessions by lease TTL; a forked child starts with none (its parent's leases are not its)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keeper: Keeper) -> None:
+        self.keeper = keeper
         self._by_ttl: dict[int, Session] = {}
         self._pid = os.getpid()
         self._guard = threading.Lock()
@@ -305,7 +342,7 @@ class Sessions:
                 self._by_ttl, self._pid = {}, os.getpid()
             found = self._by_ttl.get(seconds)
             if found is None:
-                found = self._by_ttl[seconds] = Session(seconds)
+                found = self._by_ttl[seconds] = Session(seconds, self.keeper)
             return found
 
     def all(self) -> list[Session]:

@@ -8,16 +8,11 @@ locks (python-redis-lock starts a thread per lock):
 * a lock is due TTL/3 after the send time of its acquire or last renewal, on a
   fixed schedule of ticks (a slow batch or a late wake-up does not stretch the
   period), which leaves two more tries before its deadline;
-* on each tick, every due lock is renewed in ONE pipelined round trip per
-  Redis server (``LockServer.renew_many``, chunked; each lock's part of the
-  command packed once), on a connection pool of the watchdog's own with short
-  socket timeouts; a server that failed last round goes last, so it cannot
-  delay the healthy ones. The renewed are rescheduled together, per TTL;
-* "not owner" means lost at once; a transport error or a failed chunk means
-  try again on the next tick (the locks of a chunk Redis refused are retried
-  alone, so one bad key cannot take its chunk-mates down). A lock is never due
-  after its deadline (:mod:`~celery_singleton_lock.engine.timing`), so one that
-  passes it unconfirmed is found lost on time, even while Redis is unreachable.
+* on each tick, what came due is renewed (:mod:`.rounds`): a Redis server's
+  due locks in ONE pipelined round trip, a shared lease (etcd's session) with
+  ONE keep-alive for every lock on it. A lock is never due after its deadline
+  (:mod:`~celery_singleton_lock.engine.timing`), so one that passes it
+  unconfirmed is found lost on time, even while the server is unreachable.
 
 A lost lock is marked on its handle (``.lost``, ``.ensure()`` raises
 :class:`LockLost`) and never renewed again; its ERROR line and its ``on_lost``
@@ -42,9 +37,10 @@ import time
 from collections.abc import Callable
 
 from ..engine import timing
-from ..engine.lock import Backend, Lock
+from ..engine.lock import Backend, Lock, Shared
 from ..engine.timing import DEFAULT_SOCKET_TIMEOUT, DEFAULT_TICK
-from ..exceptions import LockBackendUnavailable, LockError
+from ..exceptions import LockError
+from .rounds import Rounds
 from .wheel import TimerWheel
 
 logger = logging.getLogger("celery_singleton_lock.watchdog")  # pinned: the name users filter on
@@ -53,15 +49,6 @@ OnLost = Callable[[Lock, str], None]
 
 DEFAULT_CHUNK = 500
 """Locks per EVALSHA in a round's pipeline."""
-
-STARVED_AFTER = 1.0
-"""A lock found past its deadline this many seconds (plus a tick) late means
-the watchdog itself did not run in time, and the loss reason says so."""
-
-_REWARN_EVERY = 10.0  # seconds between two warnings about one server that keeps failing
-ROUND_HOOKS: list[Callable[[Backend, float, int, int], None]] = []
-"""Called after each server's renewal round trip, on the watchdog's thread, with (server,
-seconds, renewed, failed): for metrics. Keep them fast."""
 
 IDLE_WAIT = 1.0
 """Seconds an idle watchdog sleeps before it looks again (track() wakes it sooner if a lock needs it)."""
@@ -73,7 +60,7 @@ def _positive(name: str, value: object) -> float:
     return float(value)
 
 
-class Watchdog:
+class Watchdog(Rounds):
     """The renewal thread and its wheel. Use :func:`get_watchdog` for the process's one."""
 
     def __init__(
@@ -90,9 +77,11 @@ class Watchdog:
         self.chunk = chunk
         self.pid = os.getpid()
         self._cond = threading.Condition()
-        self._wheel: TimerWheel[Lock] = TimerWheel(self.tick, start=time.monotonic())
+        self._wheel: TimerWheel[Lock | Shared] = TimerWheel(self.tick, start=time.monotonic())
         self._tracked: set[Lock] = set()
-        self._in_flight: set[Lock] = set()
+        self._shared: dict[Shared, set[Lock]] = {}  # a lease many locks hang on (etcd) -> its tracked locks
+        self._leases: dict[Shared, int] = {}  # the lease it had when last kept (a new one loses the old locks)
+        self._in_flight: set[Lock | Shared] = set()
         self._failing: dict[Backend, list[float]] = {}  # server -> [failing since, last warned]
         self._suspects: set[Lock] = set()  # in a chunk that Redis refused: renewed alone until it works
         self._short_ttls_warned: set[float] = set()
@@ -155,7 +144,13 @@ class Watchdog:
             # due TTL/3 after the acquire was sent, and never after its deadline: the wheel is also
             # what finds a lock lost by the clock (a lock is always in it unless its round is in flight)
             due = min(lock.confirmed_at + lock.ttl / 3, lock.deadline)
-            self._wheel.schedule(lock, due)
+            shared = lock.shared
+            if shared is None:
+                self._wheel.schedule(lock, due)
+            elif self._share(lock, shared):  # the lease's own timer is already set (or in flight)
+                due = math.inf
+            else:
+                self._wheel.schedule(shared, due)
             if due < self._idle_until:
                 # an idle thread sleeps up to IDLE_WAIT: wake it only if this lock cannot wait
                 # that long (a wake-up per task would cost more than the rest of track)
@@ -183,6 +178,7 @@ class Watchdog:
             self._wheel.cancel(lock)
             tracked = lock in self._tracked
             self._tracked.discard(lock)
+            self._unshare(lock)  # (a lease's keep-alive in flight renews no key: nothing to wait for)
             while lock in self._in_flight and self.alive:
                 self._cond.wait(0.5)  # the round is bounded by the socket timeouts
             self._suspects.discard(lock)
@@ -269,131 +265,11 @@ class Watchdog:
             except Exception:  # never let the thread die: retry these locks next tick
                 logger.exception("celery-singleton-lock watchdog: renewal round failed; retrying next tick")
                 with self._cond:
-                    for lock in due:
-                        if lock in self._tracked and lock not in self._wheel:
-                            self._wheel.schedule(lock, time.monotonic())
+                    for item in due:
+                        if (item in self._tracked or item in self._shared) and item not in self._wheel:
+                            self._wheel.schedule(item, time.monotonic())
             finally:
                 with self._cond:
                     self.last_round_seconds = time.monotonic() - started
                     self._in_flight.difference_update(due)
                     self._cond.notify_all()
-
-    def _lose(self, lock: Lock, reason: str) -> None:
-        """Stop tracking ``lock`` and report it lost from the reporter thread (under the condition)."""
-        self._tracked.discard(lock)
-        self._wheel.cancel(lock)
-        self._suspects.discard(lock)
-        self.losses += 1
-        lock.mark_lost(reason, defer=True)
-
-    def _round(self, due: list[Lock], round_time: float) -> None:
-        """Renew what came due on one tick: one round trip per server."""
-        by_server: dict[Backend, list[Lock]] = {}
-        with self._cond:
-            now, tracked, server, part = time.monotonic(), self._tracked, None, []
-            for lock in due:
-                if lock not in tracked:
-                    continue  # forgotten since
-                overdue = now - (lock.confirmed_at + lock.ttl - lock.margin - lock.extra_margin)  # (its deadline)
-                if overdue >= 0:
-                    self._lose(lock, self._overdue_reason(lock, overdue))
-                    continue
-                if lock.server is not server:  # (a round's locks mostly share one server)
-                    server = lock.server
-                    part = by_server.setdefault(server, [])
-                part.append(lock)
-        # servers that failed last time go last, so they cannot delay the healthy ones
-        for server, locks in sorted(by_server.items(), key=lambda kv: kv[0] in self._failing):
-            # Locks whose chunk Redis refused last time (e.g. one key overwritten with another type fails
-            # its whole script) go alone, in chunks of one: a bad key cannot take its chunk-mates down.
-            suspects = self._suspects
-            normal = [lock for lock in locks if lock not in suspects] if suspects else locks
-            alone = [lock for lock in locks if lock in suspects] if suspects else []
-            started = time.monotonic()
-            results: list[bool | LockError] = []
-            for part, chunk in ((normal, self.chunk), (alone, 1)):
-                if part:
-                    results.extend(self._renew_on(server, part, chunk))
-            locks = normal + alone if alone else normal
-            with self._cond:
-                self._in_flight.difference_update(locks)
-                failed, renewed, first_error = self._settle(locks, results, round_time)
-                self._cond.notify_all()  # a forget() may be waiting for these
-            self._note_server(server, failed, renewed, len(locks), first_error)
-            for hook in ROUND_HOOKS:  # e.g. the metrics module: never let one stop the renewals
-                try:
-                    hook(server, time.monotonic() - started, renewed, failed)
-                except Exception:
-                    logger.exception("celery-singleton-lock watchdog: a round hook failed")
-
-    def _settle(self, locks: list[Lock], results: list[bool | LockError],
-                round_time: float) -> tuple[int, int, LockError | None]:
-        """Act on one server's answers (under the condition); returns (failed, renewed, first error).
-        The renewed are rescheduled together, per TTL; "not the owner" is lost; an error tries again."""
-        tracked, failed, first_error = self._tracked, 0, None
-        renewed: dict[float, list[Lock]] = {}  # ttl -> its renewed locks
-        ttl, group = -1.0, []
-        for lock, result in zip(locks, results, strict=True):
-            if lock not in tracked:
-                continue  # forgotten meanwhile: released, never renew again
-            if result is True:
-                if lock.ttl != ttl:  # (a round's locks mostly share one TTL)
-                    ttl = lock.ttl
-                    group = renewed.setdefault(ttl, [])
-                group.append(lock)
-            elif result is False:
-                self._lose(lock, "no longer the owner (expired, deleted or taken)")
-            else:
-                failed += 1
-                first_error = first_error or result
-                lock.last_error = str(result)
-                if not isinstance(result, LockBackendUnavailable):
-                    self._suspects.add(lock)
-                self._wheel.schedule(lock, time.monotonic())
-        for ttl, group in renewed.items():
-            if self._suspects:
-                self._suspects.difference_update(group)
-            # TTL/3 after this tick's instant (<= the send time), or after the lease's keep-alive the group
-            # took as its own (etcd: one per period); never after a deadline that an extra margin brought nearer
-            self._wheel.schedule_all(group, min(round_time, group[0].confirmed_at) + ttl / 3)
-            for lock in group if group[0].extra_margin else ():  # (a server's locks share their margin)
-                self._wheel.schedule(lock, min(round_time + ttl / 3, lock.deadline))
-        return failed, sum(len(group) for group in renewed.values()), first_error
-
-    def _renew_on(self, server: Backend, locks: list[Lock], chunk: int) -> list[bool | LockError]:
-        """One pipelined round trip: renew_many on the server's twin."""
-        self.batches += 1
-        try:
-            return server.with_timeout(self.socket_timeout).renew_many(locks, chunk=chunk)
-        except Exception as exc:  # renew_many reports errors per lock; this is a bug, not a reason to stop
-            logger.exception("celery-singleton-lock watchdog: renewing on %s raised", server.url)
-            return [LockError(f"renewal on {server.url} raised {exc!r}")] * len(locks)
-
-    def _note_server(self, server: Backend, failed: int, renewed: int, total: int, error: object) -> None:
-        """Log a server's failures once when they start, then every few seconds, and its real recovery."""
-        now = time.monotonic()
-        streak = self._failing.get(server)
-        if not failed:
-            if streak is not None and renewed:  # only a renewal that really succeeded says it works again
-                del self._failing[server]
-                logger.warning("lock renewals on %s work again after %.1fs of failures", server.url, now - streak[0])
-            return
-        self.failed_rounds += 1
-        if streak is None:
-            self._failing[server] = [now, now]
-            logger.warning(
-                "renewing %d of %d lock(s) on %s failed; retrying every tick until each lock's deadline: %s",
-                failed, total, server.url, error,
-            )
-        elif now - streak[1] >= _REWARN_EVERY:
-            streak[1] = now
-            logger.warning("lock renewals on %s still failing after %.1fs: %s", server.url, now - streak[0], error)
-
-    def _overdue_reason(self, lock: Lock, overdue: float) -> str:
-        reason = lock.overdue_reason()
-        if overdue > STARVED_AFTER + self.tick:
-            reason += (
-                f"; the watchdog ran {overdue:.1f}s after the lock's deadline: its thread did not get to run "
-                "(a CPU-bound task under gevent/eventlet starves it) or the process was stopped"
-            )
-        return reason

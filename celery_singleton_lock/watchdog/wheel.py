@@ -14,7 +14,7 @@ A timer never fires early: it is due at the first tick at or after its time.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
@@ -70,7 +70,7 @@ class TimerWheel(Generic[T]):
         self._where[item] = due
         return due
 
-    def schedule_all(self, items: list[T], when: float) -> None:
+    def schedule_all(self, items: Sequence[T], when: float) -> None:
         """(Re)schedule every one of ``items`` for the one time ``when``: a renewal round's locks of one
         TTL, rescheduled together (the tick is worked out once, not once per lock)."""
         due = max(self.tick_of(when), self.current)
