@@ -337,14 +337,16 @@ def _commands_of(worker: BenchWorker, lock_server: RedisServer, task: Any, n: in
 
         def mark() -> None:
             mon.sync()
-            marks.append(len(mon.commands()))
+            marks.append(len(mon.round_trips()))
 
         _publish_then_drain(worker, task, n, on_published=mark)
         mon.sync()
-        cmds = mon.commands()
-    sent_publish, sent_exec = cmds[: marks[0]], cmds[marks[0]:]
-    background = [words for words in sent_exec if _background(words)]
-    sent_exec = [words for words in sent_exec if not _background(words)]
+        trips = mon.round_trips()  # commands grouped by the write they came in (a pipeline is one trip)
+    trips_publish, trips_exec = trips[: marks[0]], trips[marks[0]:]
+    sent_publish = [words for trip in trips_publish for words in trip]
+    background = [words for trip in trips_exec for words in trip if _background(words)]
+    trips_exec = [trip for trip in trips_exec if not any(_background(words) for words in trip)]
+    sent_exec = [words for trip in trips_exec for words in trip]
     stats: list[dict[str, tuple[int, int]]] = []
     _publish_then_drain(worker, task, n, on_published=lambda: stats.append(_stats(lock_server)),
                         before=lambda: stats.append(_stats(lock_server)))
@@ -359,8 +361,8 @@ def _commands_of(worker: BenchWorker, lock_server: RedisServer, task: Any, n: in
         "exec_server_us": _server_usec(after, middle, _names(sent_exec)) / n,
         # per command sent at execution: usec per task (a script's includes what it runs)
         "exec_server_us_by_cmd": {k: _server_usec(after, middle, {k: 1}) / n for k in _names(sent_exec)},
-        "publish_rt": len(sent_publish) / n,
-        "exec_rt": len(sent_exec) / n,
+        "publish_rt": len(trips_publish) / n,
+        "exec_rt": len(trips_exec) / n,
         "exec_background": len(background),  # the sweeper's looks during the pass, not per task
         "n": n,
     }

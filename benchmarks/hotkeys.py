@@ -46,7 +46,13 @@ FRESH_SHA = hashlib.sha1(scripts.ACQUIRE_FRESH.encode()).hexdigest()
 
 
 def _acquire_owner(w: list[str]) -> str | None:
-    """The owner id of a MONITORed ACQUIRE (full: its 4th argument; fresh: in its metadata), else None."""
+    """The owner id of a MONITORed ACQUIRE (full: its 4th argument; fresh: in its metadata, in the
+    script's arguments or, sent as a plain SET NX GET, in the value after "<token> 0 "), else None."""
+    if w[0].upper() == "SET" and len(w) > 4 and "NX" in w[3:]:
+        try:
+            return json.loads(w[2].split(" ", 2)[2]).get("owner")
+        except (IndexError, ValueError):
+            return None
     if w[0].upper() != "EVALSHA":
         return None
     if w[1] == ACQUIRE_SHA and len(w) > 10:

@@ -228,7 +228,7 @@ class LockedTask(Task):
             if MARKED in headers:  # published under lock_publish: the lock or the line shows it from now on
                 publishing.started(self, request, key, server)
                 headers = {}
-            if type(outcome) is Lock:  # the common case, first: no table to consult
+            if isinstance(outcome, Lock):  # the common case, first: no table to consult
                 if resent and identity.succeeded(self, request):  # (see identity.succeeded)
                     outcome.release()
                     policies.refuse(self, Action.DROP, request, settings, key, Verdict.ALREADY_SUCCEEDED)

@@ -572,13 +572,14 @@ def test_plain_waiters_go_in_fifo_order_woken_by_the_release(plain_server, capsy
     key = slot_safe(name)
     out: list = []
     with held(plain_server, name, ttl=30) as first:
+        first_fence = first.fencing_token  # (read while held: a fresh lock's token is drawn on first read)
         threads = start_waiters(plain_server, name, 20, wait=30, hold=0.01, out=out)
         released_at = time.monotonic()
     for t in threads:
         t.join(TIMEOUT)
     assert all(len(x) == 4 for x in out), out
     assert [x[0] for x in out] == [f"w{i}" for i in range(20)]  # first come, first served
-    fences = [first.fencing_token, *(x[3] for x in out)]
+    fences = [first_fence, *(x[3] for x in out)]
     assert fences == sorted(fences) and len(set(fences)) == len(fences)
     gaps = [out[0][1] - released_at] + [nxt[1] - prev[2] for prev, nxt in zip(out, out[1:], strict=False)]
     assert max(gaps) < LONGEST_BLOCK / 2, f"a waiter was not woken by the release: gaps {gaps}"

@@ -105,7 +105,10 @@ def test_acquire_holds_and_tells_who_holds(any_redis):
     assert token == lock.token and int(fence) == lock.fencing_token
     assert abs(lock.fencing_token / 1e6 - time.time()) < 300  # the server clock in microseconds
     meta = json.loads(meta)
+    taken_ms = meta.pop("at", None)  # a fresh task's plain SET: when it was taken, by this host's clock
     assert meta == {"owner": "task-1", "host": socket.gethostname(), "pid": os.getpid()}
+    assert (taken_ms is not None) == server.plain_set
+    assert taken_ms is None or abs(taken_ms / 1000 - time.time()) < 60
 
     held = server.holder(name)
     assert isinstance(held, Holder)
@@ -113,9 +116,12 @@ def test_acquire_holds_and_tells_who_holds(any_redis):
     assert 0 < held.ttl_ms <= 10_000 and held.raw == raw and held.fencing_token == lock.fencing_token
     assert not held.reserved and not held.queued
 
-    # a contender is told the same, in the same round trip, and gets no lock
-    other = LockServer.from_url(any_redis.url(DB)).acquire(name, 10, owner_id="task-2")
-    assert isinstance(other, Holder) and other.owner_id == "task-1" and 0 < other.ttl_ms <= 10_000
+    # a contender is told the same, in the same round trip, and gets no lock (its TTL is not read on the
+    # plain path: -1)
+    contender = LockServer.from_url(any_redis.url(DB))
+    other = contender.acquire(name, 10, owner_id="task-2")
+    assert isinstance(other, Holder) and other.owner_id == "task-1"
+    assert other.ttl_ms == -1 if contender.plain_set else 0 < other.ttl_ms <= 10_000
     assert server.release(lock)
     assert server.holder(name) is None
 
@@ -358,6 +364,7 @@ def test_expired_lock_is_free_again(backend):
     sent = time.monotonic()
     old = server.acquire(name, 0.3)
     assert isinstance(old, Lock)
+    old_fence = old.fencing_token  # (read while held: a fence drawn on first read is drawn now)
     contender = server.acquire(name, 5)
     # held until it expires (unless this machine stalled past the TTL already)
     assert isinstance(contender, Holder) or time.monotonic() - sent >= 0.3
@@ -369,7 +376,7 @@ def test_expired_lock_is_free_again(backend):
         return got if isinstance(got, Lock) else None
 
     new = wait_until(taken, 10, what="the expired lock to be free")
-    assert new.token != old.token and new.fencing_token > old.fencing_token
+    assert new.token != old.token and new.fencing_token > old_fence
     assert server.renew(old) is False and not server.release(old)  # the old holder cannot touch it
     assert server.holder(name).raw.startswith(new.token + " ")
     assert server.release(new)
@@ -429,6 +436,7 @@ def test_fencing_tokens_increase_across_restart(fresh_redis):
     server = server_for(fresh_redis)
     name = new_name()
     first = server.acquire(name, 5)
+    assert first.fencing_token  # read while held
     fresh_redis.restart()
     second = server.acquire(name, 5)  # data and scripts are gone; the fence still rises
     assert isinstance(second, Lock) and second.fencing_token > first.fencing_token
@@ -497,9 +505,10 @@ def test_every_operation_survives_script_flush(any_redis):
     assert server.renew_many([lock, other_token(lock)]) == [True, False]
     c.script_flush()
     assert server.release(lock)
+    assert server.release(server.acquire(new_name(), 10, owner_id="o", check_done=True))  # (the full ACQUIRE)
     c.script_flush()
     with Monitor(any_redis) as mon:
-        lock = server.acquire(name, 10)
+        lock = server.acquire(name, 10, owner_id="o", check_done=True)  # (a script: the full ACQUIRE)
         mon.sync()
         words = [cmd[0].upper() for cmd in mon.commands()]
     # NOSCRIPT, load once, run again by SHA: not a permanent fall-back to EVAL
@@ -571,10 +580,18 @@ def test_one_command_per_operation(any_redis):
         mon.sync()
         ops["release"] = mon.commands()
     for op, cmds in ops.items():
-        assert [cmd[0] for cmd in cmds] == ["EVALSHA"], (op, cmds)
+        fresh = op.startswith("acquire") and server.plain_set  # no script: SET NX GET and EXISTS, one write
+        assert [cmd[0] for cmd in cmds] == (["SET", "EXISTS"] if fresh else ["EVALSHA"]), (op, cmds)
     every_key = ["4", lock.key, lock.key + ":q", lock.key + ":w", lock.key + ":d"]  # declared: cluster-safe
-    assert ops["acquire"][0][2:5] == ["2", lock.key, lock.key + ":q"]  # a fresh acquire touches the lock and line only
-    assert ops["release"][0][2:7] == every_key
+    if server.plain_set:  # a fresh acquire touches the lock and line only
+        assert ops["acquire"][0][1] == lock.key and ops["acquire"][0][3:] == ["NX", "GET", "PX", "10000"]
+        assert ops["acquire"][0][2].startswith(lock.token + " 0 {") and ops["acquire"][1] == ["EXISTS", lock.key + ":q"]
+    else:  # (Redis 6.2: SET takes NX or GET, not both; the small script)
+        assert ops["acquire"][0][2:5] == ["2", lock.key, lock.key + ":q"]
+    if server.plain_set:  # its release: RELEASE_FRESH, one key and one argument (nobody parked behind it)
+        assert ops["release"][0][2:] == ["1", lock.key, lock.token + " "]
+    else:
+        assert ops["release"][0][2:7] == every_key
     assert ops["renew"][0][2:5] == ["1", lock.key, lock.token + " "]
 
 
@@ -583,14 +600,18 @@ def test_one_command_per_operation_in_commandstats(any_redis):
     warm(server)
     name = new_name()
     for op in ("acquire", "renew", "release"):
-        before = counted(any_redis)
+        before = counted(any_redis) if op != "acquire" or not server.plain_set else any_redis.commandstats()
         if op == "acquire":
             lock = server.acquire(name, 10)
         elif op == "renew":
             assert server.renew(lock)
         else:
             assert server.release(lock)
-        assert stats_diff(before, counted(any_redis)) == {"evalsha": 1}, op
+        if op == "acquire" and server.plain_set:  # no script: what it sends is all Redis runs
+            diff = stats_diff(before, any_redis.commandstats())
+            assert {k: v for k, v in diff.items() if k not in HANDSHAKE} == {"set": 1, "exists": 1}
+        else:
+            assert stats_diff(before, counted(any_redis)) == {"evalsha": 1}, op
 
 
 @pytest.mark.timeout(90)
@@ -788,6 +809,81 @@ def test_close_drops_the_connections_and_they_come_back(redis_server):
 # -- the lightest paths (a fresh acquire, a release with nobody in line) -------------------------
 
 
+def test_a_fresh_locks_fencing_token_is_drawn_on_first_read_while_held_and_keeps_rising(any_redis):
+    """The plain SET of a fresh acquire writes no fence; the first read of ``fencing_token`` draws
+    it from the server clock (one EVALSHA) while the lock is held, so it is greater than every earlier
+    holder's and smaller than every later one's; read after the loss or the release, it raises."""
+    server = server_for(any_redis)
+    warm(server)
+    name = new_name()
+    first = server.acquire(name, 5)
+    assert isinstance(first, Lock)
+    if server.plain_set:
+        assert server.holder(name).raw.startswith(first.token + " 0 ") and first.known_fence() is None
+    with Monitor(any_redis) as mon:
+        fence = first.fencing_token
+        assert first.fencing_token == fence  # drawn once
+        mon.sync()
+        sent = [cmd[0] for cmd in mon.commands() if cmd[0] != "SCRIPT"]  # (FENCE loaded on first use)
+        assert sent == (["EVALSHA"] if server.plain_set else [])
+    assert server.holder(name).fencing_token == fence and server.release(first)
+    second = server.acquire(name, 5)
+    assert second.fencing_token > fence and server.release(second)
+    expired = server.acquire(name, 0.3)
+    wait_until(lambda: server.holder(name) is None, 10, 0.02, "the lock to expire")
+    third = server.acquire(name, 5)
+    assert third.fencing_token > second.fencing_token
+    if server.plain_set:  # never read while held: no sound token is left to draw
+        with pytest.raises(LockLost):
+            expired.fencing_token  # noqa: B018
+        assert expired.lost
+    assert server.release(third)
+    released = server.acquire(name, 5)
+    assert server.release(released)
+    if server.plain_set:
+        assert "drawn when first read" in repr(released)  # a repr (a log line, a traceback) draws nothing
+        with pytest.raises(LockLost):
+            released.fencing_token  # noqa: B018
+
+
+def test_a_fresh_acquire_on_a_client_that_decodes_replies(redis_server):
+    """``decode_responses=True`` (a client the user built): the plain SET's GET reply is text then."""
+    server = LockServer(redis_server.client(DB, decode_responses=True), url=redis_server.url(DB))
+    name = new_name()
+    mine = server.acquire(name, 5, owner_id="first")
+    assert isinstance(mine, Lock)
+    seen = server.acquire(name, 5, owner_id="second")
+    assert isinstance(seen, Holder) and seen.owner_id == "first"
+    assert server.release(mine)
+    server.close()
+
+
+@pytest.mark.parametrize("plain_set", [True, False], ids=["plain-set", "script"])
+def test_a_fresh_acquire_never_jumps_a_line_whose_holder_died(any_redis, plain_set):
+    """The holder died (its key expired) with a waiter in line: a fresh task finds the key free, but
+    must not run ahead of the waiter. It is told the key is queued, and the key goes to the waiter."""
+    from celery_singleton_lock.engine import line as queue
+
+    server = server_for(any_redis)
+    server.plain_set = plain_set
+    sent = []
+    server.send_handoff = lambda _server, handoff: sent.append(handoff) is None
+    name = new_name()
+    holder = server.acquire(name, 0.3, owner_id="holder")
+    assert isinstance(holder, Lock)
+    assert queue.park(server, name, "e-waiter", kind="t", wait=30, ttl=5, owner_id="waiter", message=b"m") == 1
+    wait_until(lambda: server.holder(name) is None, 10, 0.02, "the holder's key to expire")
+    newcomer = server.acquire(name, 5, owner_id="newcomer")
+    assert isinstance(newcomer, Holder) and newcomer.owner_id != "newcomer", newcomer
+    assert newcomer.queued or newcomer.reserved
+    if plain_set and server.plain_set:  # it took the free key and gave it back: to the waiter, at once
+        assert [h.owner_id for h in sent] == ["waiter"]
+        assert server.holder(name).reserved and server.holder(name).owner_id == "waiter"
+    claimed = server.acquire(name, 5, owner_id="waiter", entry="e-waiter") if sent else None
+    if claimed is not None:
+        assert isinstance(claimed, Lock) and server.release(claimed)
+
+
 def test_release_of_a_fresh_holder_hands_the_key_to_a_waiter_that_parked_behind_it(any_redis):
     """The fresh acquire and the plain release skip the line; PARK flags the holder it parks behind,
     so that holder's release still hands the key on (a release that skipped it would strand the waiter)."""
@@ -796,7 +892,7 @@ def test_release_of_a_fresh_holder_hands_the_key_to_a_waiter_that_parked_behind_
     server = server_for(any_redis)
     name = new_name()
     holder = server.acquire(name, 5, owner_id="holder")
-    assert isinstance(holder, Lock)
+    assert isinstance(holder, Lock) and holder.fencing_token  # (drawn now, on first read)
     assert server.holder(name).raw.endswith("}")  # its value as taken: no line flag
     assert queue.park(server, name, "p-waiter", kind="p", wait=30, ttl=5, owner_id="waiter") == 1
     found = server.holder(name)

@@ -38,6 +38,7 @@ def test_nested_depth_three_one_lock_no_round_trip_then_another_owner_gets_it(lo
     locks = lock_backend.store
     with held(url, name, 10, owner_id="job-1") as outer:
         assert outer.depth == 1
+        outer_fence = outer.fencing_token  # (read while held: a fresh lock's token is drawn on first read)
         with Monitor(redis_server, db=2) as mon:  # (on etcd: nothing to see on the Redis either)
             with held(url, name, 10, owner_id="job-1") as middle:
                 with held(url, name, 10, owner_id="job-1") as inner:
@@ -69,7 +70,7 @@ def test_nested_depth_three_one_lock_no_round_trip_then_another_owner_gets_it(lo
     assert locks.get(outer.key) is None  # the outermost exit released it
     with held(url, name, 10, owner_id="job-2") as other:
         assert other is not outer and other.depth == 1
-        assert other.fencing_token > outer.fencing_token
+        assert other.fencing_token > outer_fence
 
 
 def test_threads_with_the_same_owner_id_do_not_reenter(lock_backend):
@@ -81,7 +82,7 @@ def test_threads_with_the_same_owner_id_do_not_reenter(lock_backend):
 
     def first():
         with held(url, name, 10, owner_id="job-1") as lock:
-            box["first"] = lock
+            box["first"], box["fence"] = lock, lock.fencing_token
             taken.set()
             release.wait(TIMEOUT)
 
@@ -105,7 +106,7 @@ def test_threads_with_the_same_owner_id_do_not_reenter(lock_backend):
         with held(url, name, 10, owner_id="job-1", wait=TIMEOUT) as mine:
             waited = time.monotonic() - started
             assert mine is not box["first"] and mine.depth == 1
-            assert mine.token != box["first"].token and mine.fencing_token > box["first"].fencing_token
+            assert mine.token != box["first"].token and mine.fencing_token > box["fence"]
         assert waited >= 0.2  # it really waited for the other thread
     finally:
         release.set()

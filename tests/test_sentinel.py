@@ -31,7 +31,7 @@ from celery import Celery
 from conftest import make_app
 
 from celery_singleton_lock import LockedTask, config
-from celery_singleton_lock.engine.lock import Lock
+from celery_singleton_lock.engine.lock import Lock, slot_safe
 from celery_singleton_lock.engine.scripts import ACQUIRE_FRESH
 from celery_singleton_lock.exceptions import LockBackendUnavailable, LockError
 from celery_singleton_lock.testing.deployments import SentinelDeployment, _role
@@ -147,6 +147,37 @@ def test_a_failover_is_followed_by_the_hot_path_and_the_watchdog(sentinel):
     assert all(lock.server.release(lock).status == 1 for lock in held), "released on the new master"
     listening.close()
     plain.close()
+
+
+def test_a_read_cut_short_leaves_no_reply_behind_for_the_next_acquire(sentinel):
+    """A timeout mid-read (the master frozen past the socket timeout) drops the thread's held
+    connection. redis-py's Sentinel connection keeps it (``disconnect_on_error=False``), and the
+    late reply of the cut-short acquire ("taken, fence N") was then read as the NEXT acquire's:
+    a key somebody else holds looked taken, and two holders ran."""
+    other = server_for(sentinel)
+    mine = server_for(sentinel, redis_options={"socket_timeout": 0.2})
+    tag = uuid.uuid4().hex[:6]
+    theirs = other.acquire(f"theirs-{tag}", 30)
+    warm = mine.acquire(f"warm-{tag}", 30)  # the held connection is open and the script loaded
+    assert isinstance(theirs, Lock) and isinstance(warm, Lock)
+    master = sentinel.master
+    master.pause()  # (well under Sentinel's down-after: no failover)
+    try:
+        with pytest.raises(LockBackendUnavailable):
+            mine.acquire(f"cut-{tag}", 30)
+    finally:
+        master.resume()
+    with master.client(LOCK_DB) as c:  # the frozen master ran the acquire once thawed: its reply is sent
+        wait_until(lambda: c.exists(slot_safe(f"cut-{tag}")), 5, 0.02, "the cut-short acquire to run")
+    seen = mine.acquire(f"theirs-{tag}", 30)
+    assert not isinstance(seen, Lock), "a held key read as taken: a stale reply was read as this one's"
+    assert seen.fencing_token == theirs.fencing_token
+    with master.client(LOCK_DB) as c:
+        c.delete(slot_safe(f"cut-{tag}"))
+    for lock in (theirs, warm):
+        assert lock.server.release(lock).status == 1
+    other.close()
+    mine.close()
 
 
 # -- overlapping executions across a failover, with and without WAIT --------------------------------

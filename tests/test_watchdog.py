@@ -19,6 +19,7 @@ import time
 import pytest
 
 from celery_singleton_lock.engine import notify
+from celery_singleton_lock.engine.fresh import RELEASE_FRESH
 from celery_singleton_lock.engine.lock import Lock
 from celery_singleton_lock.engine.scripts import RELEASE, RENEW_MANY
 from celery_singleton_lock.engine.server import LockServer
@@ -28,7 +29,7 @@ from celery_singleton_lock.watchdog.process import get_watchdog, shutdown_watchd
 from celery_singleton_lock.watchdog.renewer import Watchdog
 
 RENEW_SHA = hashlib.sha1(RENEW_MANY.encode()).hexdigest()
-RELEASE_SHA = hashlib.sha1(RELEASE.encode()).hexdigest()
+RELEASE_SHAS = {hashlib.sha1(script.encode()).hexdigest() for script in (RELEASE, RELEASE_FRESH)}
 SLACK = 1.0  # seconds of scheduling noise we tolerate on a loaded machine (never a speed claim)
 WD_LOGGER = "celery_singleton_lock.watchdog"
 LOST_LOGGER = "celery_singleton_lock"  # the ERROR line of a loss: the handle logs it, wherever it was found
@@ -50,7 +51,7 @@ def renewals(mon: Monitor, key: str | None = None) -> list[tuple[float, list[str
     """(server time, keys) of every renewal EVALSHA the monitor saw, optionally only those naming ``key``."""
     mon.sync()
     out = []
-    for when, _db, words in list(mon._records):  # the records keep MONITOR's timestamps
+    for when, _db, words, _client in list(mon._records):  # the records keep MONITOR's timestamps
         if len(words) > 3 and words[0].upper() == "EVALSHA" and words[1] == RENEW_SHA:
             keys = words[3 : 3 + int(words[2])]
             if key is None or key in keys:
@@ -302,6 +303,7 @@ def test_key_taken_by_another_owner_is_lost(fresh_redis, server, wd):
     ttl = 1.5
     lock = server.acquire("wd-taken", ttl)
     wd.track(lock)
+    assert lock.fencing_token  # (read while held: a fresh lock's token is drawn on first read)
     fresh_redis.client(2).delete(lock.key)
     thief = server.acquire("wd-taken", 30)
     assert isinstance(thief, Lock) and thief.fencing_token > lock.fencing_token
@@ -437,13 +439,13 @@ def test_no_renewal_ever_follows_a_release(fresh_redis, server, wd):
             renewed_after(keep, keep.confirmed_at, ttl)
         time.sleep(ttl)
         mon.sync()
-        records = [words for _, _, words in list(mon._records)]
+        records = [words for _, _, words, _ in list(mon._records)]
     released_at: dict[str, int] = {}
     renewed_at: dict[str, list[int]] = {}
     for i, words in enumerate(records):
         if len(words) > 3 and words[0].upper() == "EVALSHA":
             keys = words[3 : 3 + int(words[2])]
-            if words[1] == RELEASE_SHA:
+            if words[1] in RELEASE_SHAS:  # (a fresh lock's release is the short RELEASE_FRESH)
                 released_at[keys[0]] = i
             elif words[1] == RENEW_SHA:
                 for key in keys:

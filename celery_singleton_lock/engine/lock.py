@@ -74,6 +74,7 @@ class Holder:
     host: str | None
     pid: int | None
     ttl_ms: int
+    """The key's PTTL when it was read (-1: not read, as by a fresh acquire's plain SET)."""
     raw: str
     fencing_token: int | None = None
     reserved: bool = False
@@ -81,6 +82,8 @@ class Holder:
     queued: bool = False
     cooldown: bool = False
     """Nobody holds it: the run of ``owner_id`` ended, and the key stays taken until its cooldown runs out."""
+    taken_ms: int | None = None
+    """When it was taken, Unix ms by the taking host's clock (``at`` in its metadata), when known."""
 
     @classmethod
     def parse(cls, key: str, value: str | bytes, ttl_ms: int) -> Holder:
@@ -100,6 +103,7 @@ class Holder:
             fencing_token=int(fence) if fence.isdigit() and fence != "0" else None,
             reserved=token.startswith("~"),
             cooldown=token == "=" and bool(meta.get("cooldown")),
+            taken_ms=meta["at"] if isinstance(meta.get("at"), int) else None,
         )
 
 
@@ -183,6 +187,8 @@ class Lock:
     alive instead of this lock (None: the lock is renewed on its own, as on Redis)."""
     renewal_parts: tuple[bytes, bytes] | None = field(default=None, repr=False)
     """Its part of a renewal command, packed once by :func:`~celery_singleton_lock.engine.wire.pack_renewals`."""
+    acquired_at: float = field(default=-1.0, repr=False)
+    """``time.monotonic()`` when the acquire was sent (how long it was held: RELEASE's ``presend``)."""
     depth: int = 1
     """How many nested holds of its thread share this handle (see :mod:`~celery_singleton_lock.engine.reentry`):
     1 for the outermost; only the outermost exit releases."""
@@ -190,6 +196,8 @@ class Lock:
     def __post_init__(self) -> None:
         if self.margin < 0:
             self.margin = timing.margin(self.ttl)
+        if self.acquired_at < 0:
+            self.acquired_at = self.confirmed_at
 
     @property
     def prefix(self) -> str:
@@ -244,6 +252,10 @@ class Lock:
                 self.on_lost(self, reason)
             except Exception:
                 logger.exception("lock-lost callback for %s failed", self.key)
+
+    def known_fence(self) -> int | None:
+        """The fencing token if it is known here without asking the server (for operators' views)."""
+        return self.fencing_token
 
     def release(self, **kwargs: Any) -> Released:
         return self.server.release(self, **kwargs)

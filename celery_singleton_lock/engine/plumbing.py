@@ -30,6 +30,14 @@ DEFAULT_REPLICA_TIMEOUT = 1.0
 """Seconds an acquire waits for ``min_replicas`` replicas to acknowledge it (Redis WAIT)."""
 
 
+def _out_of_step(conn: Any) -> None:
+    """Drop a held connection a read was cut short on (a timeout, a soft time limit, any interrupt).
+    Its replies may still be on the way, and the next command on it would read them as its own: a
+    stale "nil" from someone else's SET NX would read as "taken". redis-py's Sentinel connection does
+    not disconnect on such errors by itself (``disconnect_on_error=False``)."""
+    conn.disconnect()
+
+
 class Unreplicated(Exception):
     """A script ran, but fewer replicas than ``min_replicas`` acknowledged its writes in time (internal)."""
 
@@ -79,8 +87,14 @@ class ScriptClient:
     def _load_here(self, script: str) -> str:
         """SCRIPT LOAD on this thread's own connection (the one the next EVALSHA goes to)."""
         conn = self._held_conn()
-        conn.send_command("SCRIPT", "LOAD", script)
-        reply = conn.read_response()
+        try:
+            conn.send_command("SCRIPT", "LOAD", script)
+            reply = conn.read_response()
+        except ResponseError:
+            raise
+        except BaseException:
+            _out_of_step(conn)
+            raise
         sha = self._shas[script] = reply.decode() if isinstance(reply, bytes) else str(reply)
         return sha
 
@@ -124,14 +138,47 @@ class ScriptClient:
         """
         data = self._packed(sha, keys, args, wait)
         conn = self._held_conn()
-        try:
-            conn.send_packed_command([data], check_health=False)
-            return self._read(conn, wait)
-        except RedisConnectionError:
-            conn.disconnect()
-            conn.connect()  # not left to send_packed_command: that one skips Sentinel's master lookup
-            conn.send_packed_command([data], check_health=False)
-            return self._read(conn, wait)
+        for attempt in (1, 2):
+            try:
+                conn.send_packed_command([data], check_health=False)
+                return self._read(conn, wait)
+            except (ResponseError, Unreplicated):
+                raise  # every reply was read: the connection is still in step
+            except RedisConnectionError:
+                conn.disconnect()
+                if attempt == 2:
+                    raise
+                conn.connect()  # not left to send_packed_command: that one skips Sentinel's master lookup
+            except BaseException:
+                _out_of_step(conn)
+                raise
+        raise AssertionError("unreachable")
+
+    def plain(self, *commands: Sequence[str]) -> list[Any]:
+        """Plain commands in ONE write on this thread's held connection, every reply read (an error
+        reply kept in its place, not raised): one round trip, no script. A connection found broken is
+        replaced and the commands sent once more, as in :meth:`_call` (the caller makes them safe to repeat)."""
+        data = b"".join(wire.pack_plain(words) for words in commands)
+        conn = self._held_conn()
+        for attempt in (1, 2):
+            try:
+                conn.send_packed_command([data], check_health=False)
+                replies: list[Any] = []
+                for _ in commands:
+                    try:
+                        replies.append(conn.read_response())
+                    except ResponseError as exc:
+                        replies.append(exc)
+                return replies
+            except RedisConnectionError:
+                conn.disconnect()
+                if attempt == 2:
+                    raise
+                conn.connect()
+            except BaseException:
+                _out_of_step(conn)
+                raise
+        raise AssertionError("unreachable")
 
     def error(self, exc: Exception, key: str) -> LockError:
         """Our error for a redis-py one: transient (try again) or a refusal (fix something)."""

@@ -172,8 +172,8 @@ RELEASE = FRESH_RELEASE + _HAND_OFF + """
 -- whose first try may have run (its reply was lost), ARGV[7] the holder's retry
 -- count (its redelivered copy, if parked, is entry 't' .. sha1 of owner, newline, retries),
 -- ARGV[8] ms of cooldown ('0' none): the key stays taken that long, by nobody,
--- ARGV[9] ms ('0' none): if the hold was shorter, the task second in line is sent ahead of its turn
--- (state 'n'), to wait for it in a worker slot (lock_wait_in_slot).
+-- ARGV[9] '1' when the hold was short (the client measured it against lock_wait_in_slot): the task
+-- second in line is sent ahead of its turn (state 'n'), to wait for it in a worker slot.
 -- Returns {deleted, hand-offs...} (or a bare 1: deleted, nothing else to do): deleted 1 it was
 -- ours, 0 it was gone already, -1 another holds it. The key passes to the next waiter here, or,
 -- after a cooldown, through the sweeper once the cooldown has run out.
@@ -226,11 +226,7 @@ if ARGV[3] == '1' then
   end
 end
 if redis.call('EXISTS', LOCK) == 1 then return {deleted} end  -- a cooldown: the sweeper hands it on after
-local fence = held and tonumber(string.match(held, '^%S+ (%d+)') or '0') or 0
-if (ARGV[9] or '0') ~= '0' and fence > 0 then
-  local t = redis.call('TIME')
-  presend = (tonumber(t[1]) * 1000000 + tonumber(t[2]) - fence) <= tonumber(ARGV[9]) * 1000
-end
+presend = deleted == 1 and ARGV[9] == '1'  -- a short hold (the holder measured it): send the next ahead
 return hand_off(now, drop, {deleted})
 """
 

@@ -27,6 +27,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from ..exceptions import LockBackendUnavailable, LockError
+from . import fresh as fresh_path
 from . import layout, line_scripts, scripts, wire
 from .addresses import redact_url
 from .lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
@@ -108,6 +109,10 @@ class LockServer(ScriptClient):
     supports_line = True
     """Whether keys on this server can have a waiting line (a quorum of masters cannot order one)."""
 
+    plain_set = True
+    """A fresh acquire is a plain SET NX GET (no script: :mod:`.fresh`); turned off for good on a
+    server that refuses NX with GET (Redis 6.2), and by topologies that send one command per call."""
+
     def __init__(self, client: redis.Redis, *, url: str | None = None, min_replicas: int = 0,
                  replica_timeout: float = DEFAULT_REPLICA_TIMEOUT) -> None:
         super().__init__(client, url=url, min_replicas=min_replicas, replica_timeout=replica_timeout)
@@ -184,10 +189,14 @@ class LockServer(ScriptClient):
         token = token or secrets.token_hex(TOKEN_BYTES)
         sent = time.monotonic()
         try:
-            if not (entry or take_back or check_done):  # a fresh delivery: the small script
+            reply: Any = None
+            fresh = not (entry or take_back or check_done)
+            if fresh and self.plain_set and not self.min_replicas:  # a fresh delivery: no script at all
+                reply = self._take(key, token, owner_id, ttl)
+            if fresh and reply is None:  # (Redis 6.2, or replicas to wait for: the small script)
                 reply = self.run(scripts.ACQUIRE_FRESH, (key, layout.line(key)), (token, wire.meta(owner_id), ms(ttl)),
                                  replicated=True)
-            else:
+            elif not fresh:
                 reply = self.run(
                     scripts.ACQUIRE,
                     self.keys_for(key),
@@ -207,7 +216,8 @@ class LockServer(ScriptClient):
             status = int(reply[0])
             fence = int(reply[1]) if status == 1 else 0
         if status == 1:
-            lock = Lock(self, key, token, fence, ttl, owner_id, confirmed_at=sent)
+            kind = Lock if fence else fresh_path.FencedLater  # (a fence of 0: drawn when first read)
+            lock = kind(self, key, token, fence, ttl, owner_id, confirmed_at=sent)
             late = time.monotonic() - sent
             if late >= ttl / 3:
                 self._give_back(lock)
@@ -221,6 +231,25 @@ class LockServer(ScriptClient):
         if status == 3:
             return Verdict.ENTRY_GONE
         return Holder.parse(key, reply[1], int(reply[2]))
+
+    def _take(self, key: str, token: str, owner_id: str | None, ttl: float) -> Any:
+        """The fresh acquire without a script (:func:`.fresh.take`); None where the server cannot.
+        A free key taken while waiters are in line is given back (and so handed to the first of
+        them, the full RELEASE's way): the caller is told the key is queued, and parks."""
+        try:
+            reply = fresh_path.take(self, key, layout.line(key), token, wire.meta(owner_id, at=True), ms(ttl))
+        except RedisError as exc:
+            raise self.error(exc, key) from exc
+        if reply is None:
+            self.plain_set = False  # Redis 6.2: SET takes NX or GET, not both
+        elif reply is fresh_path.JUMPED:
+            jumped = Lock(self, key, token, 0, ttl, owner_id)
+            try:  # again=True: the full RELEASE, which hands the key to the first waiter
+                self.release(jumped, again=True)
+            except LockError:  # sent once more: if the first did run, this one returns its hand-off, sent now
+                self.release(jumped, again=True)
+            return [0, "", -2]
+        return reply
 
     def _give_back_unreplicated(self, lock: Lock, acked: int) -> None:
         """A lock too few replicas acknowledged: given back, and the acquire fails as unavailable."""
@@ -260,9 +289,13 @@ class LockServer(ScriptClient):
         """
         if lock.pid != os.getpid():
             return Released(-2)
+        if type(lock) is fresh_path.FencedLater and not (remember or again or cooldown):  # the lightest way
+            if self.run(fresh_path.RELEASE_FRESH, (lock.key,), (lock.prefix,)) == 1:
+                lock.released = True
+                return Released(1)  # (else someone parked behind it, or it is gone: the full RELEASE says)
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
                 value if remember else "", "1" if again else "0", str(retries), str(ms(cooldown)) if cooldown else "0",
-                str(ms(presend)) if presend else "0")
+                "1" if presend and time.monotonic() - lock.acquired_at <= presend else "0")
         reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args)
         lock.released = True
         if type(reply) is int:  # deleted, and nothing else to do (no line, no success to remember)

@@ -45,7 +45,8 @@ def watchdog_snapshot(wd: Watchdog) -> dict[str, Any]:
         {
             "key": lock.key,
             "task_id": lock.owner_id,
-            "fencing_token": lock.fencing_token,
+            "fencing_token": lock.known_fence(),
+            "taken_at": getattr(lock, "taken_at", None),  # (a lock whose token is drawn when first read)
             "ttl": lock.ttl,
             "confirmed_ago": round(now - lock.confirmed_at, 3),
             "deadline_in": round(lock.deadline - now, 3),

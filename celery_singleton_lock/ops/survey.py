@@ -85,6 +85,14 @@ def expiry(ttl_ms: int) -> str:
 # -- the app's locks ---------------------------------------------------------------------
 
 
+def held_ms(holder: Holder, now_us: int) -> int | None:
+    """Since when ``holder`` holds its key: the earlier of its fencing token (the lock Redis's clock
+    when it was drawn: at the acquire, or on its first read for a lock a fresh task took) and the
+    taking host's clock at the acquire (``at``); None when neither is known."""
+    starts = [t for t in (holder.fencing_token and holder.fencing_token // 1000, holder.taken_ms) if t]
+    return max(0, now_us // 1000 - min(starts)) if starts else None
+
+
 def lock_row(key: str, task: str, value: bytes | str, pttl: int, waiters: int, now_us: int) -> dict[str, Any]:
     """One held lock as the commands show it (``--json`` prints these objects)."""
     holder = Holder.parse(key, value, pttl)
@@ -95,7 +103,7 @@ def lock_row(key: str, task: str, value: bytes | str, pttl: int, waiters: int, n
         "task_id": holder.owner_id,
         "host": holder.host,
         "pid": holder.pid,
-        "held_ms": None if fence is None else max(0, (now_us - fence) // 1000),
+        "held_ms": held_ms(holder, now_us),
         "ttl_ms": int(pttl),
         "fencing_token": fence,
         "waiters": int(waiters),

@@ -186,7 +186,7 @@ class Monitor:
         self.server = server
         self.db = db
         self._client = server.client()
-        self._records: list[tuple[float, int, list[str]]] = []
+        self._records: list[tuple[float, int, list[str], str]] = []
         self._thread: threading.Thread | None = None
         self._monitor: Any = None
 
@@ -210,7 +210,7 @@ class Monitor:
                         if self._stopping:
                             return
                         continue
-                    self._records.append((stamp, db, words))
+                    self._records.append((stamp, db, words, client))
             except Exception:
                 return
 
@@ -240,14 +240,31 @@ class Monitor:
         marker = f"csl-sync-{time.monotonic_ns()}"
         with self.server.client() as c:
             c.echo(marker)
-        wait_until(lambda: any(w[:2] == ["ECHO", marker] for _, _, w in self._records), 10, 0.01, "MONITOR sync")
+        wait_until(lambda: any(r[2][:2] == ["ECHO", marker] for r in self._records), 10, 0.01, "MONITOR sync")
         self._records = [r for r in self._records if r[2][:2] != ["ECHO", marker]]
 
     def commands(self, db: int | None = None) -> list[list[str]]:
         """Commands seen so far (without connection set-up: HELLO, SELECT, CLIENT, ECHO, PING)."""
+        return [words for _, words in self._seen(db)]
+
+    def round_trips(self, db: int | None = None) -> list[list[list[str]]]:
+        """The commands seen so far, grouped by round trip: the commands of one client that Redis ran
+        back to back, nothing between them and within 100 µs, came in one write (a pipeline)."""
+        out: list[list[list[str]]] = []
+        last: tuple[float, str] | None = None
+        for record, words in self._seen(db):
+            if last is not None and record[3] == last[1] and record[0] - last[0] < 100e-6:
+                out[-1].append(words)
+            else:
+                out.append([words])
+            last = (record[0], record[3])
+        return out
+
+    def _seen(self, db: int | None) -> list[tuple[tuple[float, int, list[str], str], list[str]]]:
         want = self.db if db is None else db
         skip = {"HELLO", "SELECT", "CLIENT", "ECHO", "PING", "MONITOR", "INFO"}
-        return [w for _, d, w in self._records if (want is None or d == want) and w and w[0].upper() not in skip]
+        return [(r, r[2]) for r in self._records
+                if (want is None or r[1] == want) and r[2] and r[2][0].upper() not in skip]
 
     def clear(self) -> None:
         self.sync()
