@@ -213,6 +213,7 @@ def _install_breakdown() -> None:
     from celery_singleton_lock import releasing as csl_releasing
     from celery_singleton_lock import signals as csl_signals
     from celery_singleton_lock import task as csl_task
+    from celery_singleton_lock.engine import exchange as csl_exchange
     from celery_singleton_lock.engine import server as csl_server
     from celery_singleton_lock.engine import wire as csl_wire
     from celery_singleton_lock.watchdog import process as csl_process
@@ -250,6 +251,8 @@ def _install_breakdown() -> None:
     Server.run = timed("LockServer.run", Server.run)
     Server._call = timed("LockServer._call (pack, send, read the reply)", Server._call)
     csl_wire.pack = timed("wire.pack (the EVALSHA in RESP)", csl_wire.pack)
+    Server.plain = timed("LockServer.plain (SET NX GET and EXISTS, one write)", Server.plain)
+    csl_exchange.read = timed("socket wait for the reply (exchange.read: spin, then sleep)", csl_exchange.read)
     # the socket wait, only inside a timed piece (not the broker connection's reads)
     AbstractConnection.read_response = timed("socket wait for the reply (read_response)",
                                              AbstractConnection.read_response, only_inside=True)

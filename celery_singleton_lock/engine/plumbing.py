@@ -20,7 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ..exceptions import LockError
-from . import refusals, scripts, wire
+from . import exchange, refusals, scripts, wire
 from .lock import ms
 
 if TYPE_CHECKING:
@@ -104,20 +104,19 @@ class ScriptClient:
 
     def _read(self, conn: Any, wait: bool) -> Any:
         """The script's reply (and, with ``wait``, the WAIT's: both are always read off the wire)."""
-        try:
-            reply = conn.read_response()
-        except ResponseError:
-            if wait:
-                try:
-                    conn.read_response()
-                except ResponseError:
-                    pass
-            raise
-        if wait:
-            acked = int(conn.read_response())
+        return self._replied(*exchange.read(conn, 2 if wait else 1))
+
+    def _replied(self, *replies: Any) -> Any:
+        """The script's reply out of the replies read (an error among them raised; after a WAIT's,
+        :class:`Unreplicated` if too few replicas acknowledged)."""
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
+        if len(replies) > 1:
+            acked = int(replies[-1])
             if acked < self.min_replicas:
-                raise Unreplicated(reply, acked)
-        return reply
+                raise Unreplicated(replies[-2], acked)
+        return replies[-2] if len(replies) > 1 else replies[0]
 
     def _call(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool = False) -> Any:
         """One EVALSHA, packed here and sent on this thread's own connection.
@@ -140,7 +139,7 @@ class ScriptClient:
         conn = self._held_conn()
         for attempt in (1, 2):
             try:
-                conn.send_packed_command([data], check_health=False)
+                exchange.send(conn, data)
                 return self._read(conn, wait)
             except (ResponseError, Unreplicated):
                 raise  # every reply was read: the connection is still in step
@@ -162,14 +161,8 @@ class ScriptClient:
         conn = self._held_conn()
         for attempt in (1, 2):
             try:
-                conn.send_packed_command([data], check_health=False)
-                replies: list[Any] = []
-                for _ in commands:
-                    try:
-                        replies.append(conn.read_response())
-                    except ResponseError as exc:
-                        replies.append(exc)
-                return replies
+                exchange.send(conn, data)
+                return exchange.read(conn, len(commands))
             except RedisConnectionError:
                 conn.disconnect()
                 if attempt == 2:

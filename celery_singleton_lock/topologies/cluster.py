@@ -35,7 +35,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
-from ..engine import scripts, wire
+from ..engine import exchange, scripts, wire
 from ..engine.addresses import redact_url
 from ..engine.lock import Lock, ms
 from ..engine.plumbing import Unreplicated
@@ -149,12 +149,14 @@ class ClusterLockServer(LockServer):
             conn = None
             try:
                 conn = self._conn(node)
-                if ask is not None:
-                    conn.send_packed_command([_ASKING + data], check_health=False)
-                    conn.read_response()  # +OK
-                else:
-                    conn.send_packed_command([data], check_health=False)
-                return self._read(conn, wait)
+                if ask is None:
+                    exchange.send(conn, data)
+                    return self._read(conn, wait)
+                exchange.send(conn, _ASKING + data)  # ASKING's +OK, then the script's reply (and WAIT's)
+                asking, *replies = exchange.read(conn, 3 if wait else 2)
+                if isinstance(asking, ResponseError):
+                    raise asking
+                return self._replied(*replies)
             except MovedError as exc:
                 redirects += 1
                 if redirects > MAX_REDIRECTS:

@@ -1,0 +1,143 @@
+"""The hot path's own round trip (engine/exchange.py): the parser as a pure function, then the reads
+against a private redis-server, over RESP2 and RESP3, with late replies, a frozen server and an
+error reply."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+
+from celery_singleton_lock.engine import exchange, wire
+from celery_singleton_lock.engine.lock import Holder, Lock
+from celery_singleton_lock.engine.server import LockServer
+from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable
+from celery_singleton_lock.testing.servers import RedisServer, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("data, expected", [
+    (b":42\r\n", 42),
+    (b"$-1\r\n", None),
+    (b"_\r\n", None),
+    (b"$5\r\nhe\r\no\r\n", b"he\r\no"),  # a bulk string holds CRLF
+    (b"+OK\r\n", b"OK"),
+    (b"*3\r\n:1\r\n$1\r\nx\r\n*1\r\n:-2\r\n", [1, b"x", [-2]]),
+    (b"*-1\r\n", None),
+    (b"#t\r\n", True),
+    (b",1.5\r\n", 1.5),
+    (b"(12345678901234567890\r\n", 12345678901234567890),
+    (b"%1\r\n$1\r\na\r\n:1\r\n", {b"a": 1}),
+    (b"~2\r\n:1\r\n:2\r\n", [1, 2]),
+    (b"=8\r\ntxt:abcd\r\n", b"abcd"),
+])
+def test_one_reply_of_each_shape(data, expected):
+    assert exchange._parse_all(data, 1) == ([expected], len(data))
+
+
+def test_errors_are_redis_pys_classes_and_pushes_are_dropped():
+    replies, end = exchange._parse_all(b">2\r\n$7\r\nmessage\r\n:1\r\n-NOSCRIPT No matching script\r\n:0\r\n", 2)
+    assert isinstance(replies[0], NoScriptError) and replies[1] == 0
+    replies, _ = exchange._parse_all(b"!20\r\nERR something failed\r\n", 1)
+    assert type(replies[0]) is ResponseError and "something failed" in str(replies[0])
+
+
+@pytest.mark.parametrize("cut", [b":4", b"$5\r\nhe", b"*2\r\n:1\r\n", b"%1\r\n$1\r\na\r\n"])
+def test_a_reply_cut_short_asks_for_more(cut):
+    with pytest.raises(exchange._More):
+        exchange._parse_all(cut, 1)
+
+
+@pytest.fixture(scope="module")
+def redis():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_the_lock_over_resp2_and_resp3(redis, protocol):
+    """The same answers whichever protocol the user's client speaks (redis-py 8 speaks RESP3 unless told)."""
+    server = LockServer.from_url(redis.url(2), protocol=protocol)
+    lock = server.acquire(f"p{protocol}", 5, owner_id="first")
+    assert isinstance(lock, Lock) and server._held_conn().protocol in (protocol, str(protocol))
+    seen = server.acquire(f"p{protocol}", 5, owner_id="second")
+    assert isinstance(seen, Holder) and seen.owner_id == "first"
+    assert lock.fencing_token > 0 and server.holder(f"p{protocol}").fencing_token == lock.fencing_token
+    assert server.release(lock).status == 1 and server.holder(f"p{protocol}") is None
+    server.close()
+
+
+def test_replies_later_than_the_spin_are_read_and_the_connection_stops_spinning(redis):
+    """A reply that comes after the spin (here: a script that runs ~20 ms) is read by the blocking
+    read; a connection whose replies keep coming late stops spinning for a while (a remote Redis)."""
+    server = LockServer.from_url(redis.url(2))
+    slow = "local n = 0 for i = 1, 3000000 do n = n + i end return n"
+    for _ in range(exchange.REST_AFTER):
+        assert server.run(slow, ("x",), ()) == sum(range(1, 3_000_001))
+    conn = server._held_conn()
+    assert conn._csl_rest == exchange.REST_FOR
+    lock = server.acquire("late", 5)
+    assert isinstance(lock, Lock) and conn._csl_rest == exchange.REST_FOR - 1  # read without a spin
+    assert server.release(lock).status == 1
+    server.close()
+
+
+def test_an_error_reply_is_raised_and_leaves_the_connection_in_step(redis):
+    server = LockServer.from_url(redis.url(2))
+    with pytest.raises(LockBackendRefused, match="boom"):
+        server.run("return redis.error_reply('ERR boom')", ("x",), ())
+    lock = server.acquire("after-error", 5)
+    assert isinstance(lock, Lock) and server.release(lock).status == 1
+    server.close()
+
+
+def test_a_read_cut_short_by_a_frozen_server_drops_the_connection():
+    """The reply arrives after the timeout: the connection is dropped, so the next call cannot read it
+    as its own (the acquire of a key held by someone else then says so)."""
+    with RedisServer() as redis:
+        mine = LockServer.from_url(redis.url(2), socket_timeout=0.2)
+        other = LockServer.from_url(redis.url(2))
+        theirs = other.acquire("theirs", 30)
+        assert isinstance(theirs, Lock) and isinstance(mine.acquire("warm", 30), Lock)
+        redis.pause()
+        try:
+            with pytest.raises(LockBackendUnavailable):
+                mine.acquire("cut", 30)
+        finally:
+            redis.resume()
+        with redis.client(2) as c:
+            wait_until(lambda: c.exists("{cut}"), 5, 0.02, "the cut-short acquire to run")
+        assert isinstance(mine.acquire("theirs", 30), Holder)
+        mine.close()
+        other.close()
+
+
+def test_a_closed_connection_is_a_connection_error_and_the_next_call_reconnects(redis):
+    server = LockServer.from_url(redis.url(2))
+    conn = server._held_conn()
+    assert isinstance(server.acquire("c1", 5), Lock)
+    with redis.client(2) as c:
+        c.client_kill_filter(_id=_client_id(c, conn))
+        wait_until(lambda: conn._sock.recv(16, socket.MSG_PEEK) == b"", 5, 0.01, "the server to close it")
+    with pytest.raises(RedisConnectionError):
+        exchange.read(conn, 1)  # a closed socket says so, and is dropped
+    assert conn._sock is None
+    lock = server.acquire("c2", 5)  # the next call connects again
+    assert isinstance(lock, Lock) and server.release(lock).status == 1
+    server.close()
+
+
+def _client_id(c, conn) -> int:
+    port = conn._sock.getsockname()[1]
+    return next(cl["id"] for cl in c.client_list() if cl["addr"].endswith(f":{port}"))
+
+
+def test_send_writes_what_wire_packs(redis):
+    server = LockServer.from_url(redis.url(2))
+    conn = server._held_conn()
+    exchange.send(conn, wire.pack_plain(("SET", "w", "v")) + wire.pack_plain(("GET", "w")))
+    assert exchange.read(conn, 2) == [b"OK", b"v"]
+    server.close()
