@@ -4,6 +4,7 @@ error reply."""
 
 from __future__ import annotations
 
+import signal
 import socket
 
 import pytest
@@ -35,13 +36,15 @@ pytestmark = pytest.mark.timeout(60)
     (b"=8\r\ntxt:abcd\r\n", b"abcd"),
 ])
 def test_one_reply_of_each_shape(data, expected):
-    assert exchange._parse_all(data, 1) == ([expected], len(data))
+    assert exchange._parse_all(data, 1) == ([expected], [], len(data))
 
 
 def test_errors_are_redis_pys_classes_and_pushes_are_dropped():
-    replies, end = exchange._parse_all(b">2\r\n$7\r\nmessage\r\n:1\r\n-NOSCRIPT No matching script\r\n:0\r\n", 2)
+    replies, pushes, _ = exchange._parse_all(
+        b">2\r\n$7\r\nmessage\r\n:1\r\n-NOSCRIPT No matching script\r\n:0\r\n>1\r\n$3\r\nbye\r\n", 2)
     assert isinstance(replies[0], NoScriptError) and replies[1] == 0
-    replies, _ = exchange._parse_all(b"!20\r\nERR something failed\r\n", 1)
+    assert pushes == [[b"message", 1], [b"bye"]]  # (handed to redis-py's push handlers)
+    replies, _, _ = exchange._parse_all(b"!20\r\nERR something failed\r\n", 1)
     assert type(replies[0]) is ResponseError and "something failed" in str(replies[0])
 
 
@@ -92,6 +95,50 @@ def test_an_error_reply_is_raised_and_leaves_the_connection_in_step(redis):
     lock = server.acquire("after-error", 5)
     assert isinstance(lock, Lock) and server.release(lock).status == 1
     server.close()
+
+
+def test_an_error_redis_py_raises_as_a_connection_error_is_raised_and_the_call_sent_again(redis):
+    """-LOADING (a Redis still loading its data after a restart) is a connection error in redis-py:
+    raised, not returned as the reply; the connection is dropped and the call sent once more."""
+    server = LockServer.from_url(redis.url(2))
+    with pytest.raises(LockBackendUnavailable, match="loading"):
+        server.run("return redis.error_reply('LOADING Redis is loading the dataset in memory')", ("x",), ())
+    lock = server.acquire("after-loading", 5)
+    assert isinstance(lock, Lock) and server.release(lock).status == 1
+    server.close()
+
+
+class Interrupted(Exception):
+    """What a Celery soft time limit is: an exception raised in the middle of whatever runs."""
+
+
+def test_an_exception_raised_in_the_middle_of_a_read_drops_the_connection():
+    """A soft time limit may fire while a read waits: the reply still on its way must not be read as
+    the next call's."""
+    with RedisServer() as redis:
+        mine = LockServer.from_url(redis.url(2))
+        other = LockServer.from_url(redis.url(2))
+        theirs = other.acquire("theirs", 30)
+        assert isinstance(theirs, Lock) and isinstance(mine.acquire("warm", 30), Lock)
+
+        def interrupt(*_):
+            raise Interrupted
+
+        old = signal.signal(signal.SIGALRM, interrupt)
+        redis.pause()
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(Interrupted):
+                mine.acquire("cut", 30)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            redis.resume()
+        with redis.client(2) as c:
+            wait_until(lambda: c.exists("{cut}"), 5, 0.02, "the interrupted acquire to run")
+        assert isinstance(mine.acquire("theirs", 30), Holder)
+        mine.close()
+        other.close()
 
 
 def test_a_read_cut_short_by_a_frozen_server_drops_the_connection():

@@ -24,15 +24,18 @@ connect asks the Sentinels again. An SSL connection, or one not yet open, goes t
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
 from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+logger = logging.getLogger("celery_singleton_lock")
 
 SPIN_NS = 150_000
 """How long a read tries the socket without sleeping (ns): a few loopback round trips."""
@@ -44,34 +47,74 @@ REST_FOR = 64
 
 
 def send(conn: Any, data: bytes) -> None:
-    """Write ``data`` on ``conn`` (connecting it first if it is not open)."""
+    """Write ``data`` on ``conn`` (connecting it first if it is not open). Anything that stops the
+    write half-way drops the connection: half a command must not prefix the next one."""
     sock = getattr(conn, "_sock", None)
     if sock is None and hasattr(conn, "_sock"):
         conn.connect()  # (itself: send_packed_command's own connect skips a Sentinel's master lookup)
         sock = conn._sock
-    if type(sock) is not socket.socket:  # SSL, or a wrapper (client-side caching): redis-py's way
+    if not _plain(sock):  # SSL, no timeout, a wrapper (client-side caching), a green socket: redis-py's way
         conn.send_packed_command([data], check_health=False)
         return
     try:
-        sent = os.write(sock.fileno(), data)  # (no poll first: a small write goes into the socket's buffer)
-    except BlockingIOError:
-        sent = 0
+        try:
+            sent = os.write(sock.fileno(), data)  # (no poll first: a small write goes into the socket's buffer)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            sock.sendall(data[sent:])
+    except TimeoutError:
+        conn.disconnect()
+        raise RedisTimeoutError(f"Timeout writing to {_where(conn)}") from None
     except OSError as exc:
         conn.disconnect()
         raise RedisConnectionError(f"Error while writing to {_where(conn)}: {exc}") from None
-    if sent < len(data):
-        conn.send_packed_command([data[sent:]], check_health=False)
+    except BaseException:
+        conn.disconnect()
+        raise
 
 
 def read(conn: Any, n: int = 1) -> list[Any]:
     """The next ``n`` replies on ``conn``, in order; an error reply is kept in its place as its
-    :class:`ResponseError` (the caller raises or keeps it). Strings come back as bytes."""
+    :class:`ResponseError` (the caller raises or keeps it), except those redis-py raises as connection
+    errors (LOADING, NOAUTH, ...): raised, the connection dropped. Strings come back as bytes.
+
+    Anything that stops the read half-way (a timeout, a broken socket, a soft time limit raised
+    in the middle) drops the connection: the rest of the reply must not be read as the next one's."""
     sock = getattr(conn, "_sock", None)
-    if type(sock) is not socket.socket:
+    if not _plain(sock):
         return [_through_redis_py(conn) for _ in range(n)]
-    fd = sock.fileno()
+    try:
+        replies, pushes = _read(conn, sock, n)
+    except TimeoutError:
+        conn.disconnect()
+        raise RedisTimeoutError(f"Timeout reading from {_where(conn)}") from None
+    except OSError as exc:
+        conn.disconnect()
+        raise RedisConnectionError(f"Error while reading from {_where(conn)}: {exc}") from None
+    except ValueError as exc:  # (not RESP: a number that is not one)
+        conn.disconnect()
+        raise RedisConnectionError(f"unreadable reply from {_where(conn)}: {exc}") from None
+    except BaseException:
+        conn.disconnect()
+        raise
+    for push in pushes:
+        _hand_on(conn, push)
+    for reply in replies:
+        if isinstance(reply, RedisConnectionError):  # LOADING, NOAUTH, ...: as redis-py raises them
+            conn.disconnect()
+            raise reply
+    if any(isinstance(reply, ReadOnlyError) for reply in replies) and \
+            getattr(getattr(conn, "connection_pool", None), "is_master", False):
+        conn.disconnect()  # as redis-py's Sentinel connection does: a demoted master; ask the Sentinels again
+        raise RedisConnectionError("The previous master is now a replica")
+    return replies
+
+
+def _read(conn: Any, sock: socket.socket, n: int) -> tuple[list[Any], list[Any]]:
+    """Spin (unless this connection rests), then sleep until ``n`` whole replies are in."""
     rest = getattr(conn, "_csl_rest", 0)
-    data = _spin(fd) if rest <= 0 else None
+    data = _spin(sock.fileno()) if rest <= 0 else None
     if rest > 0:
         conn._csl_rest = rest - 1
     elif data is None:  # the spin missed: count it
@@ -81,43 +124,49 @@ def read(conn: Any, n: int = 1) -> list[Any]:
     else:
         conn._csl_misses = 0
     data = data or b""
-    try:
-        while True:
-            if data:
-                try:
-                    replies, end = _parse_all(data, n)
-                    break
-                except _More:
-                    pass
-            chunk = sock.recv(65536)
-            if not chunk:
-                conn.disconnect()
-                raise RedisConnectionError(f"Connection closed by {_where(conn)}")
-            data += chunk
-    except TimeoutError:
-        conn.disconnect()
-        raise RedisTimeoutError(f"Timeout reading from {_where(conn)}") from None
-    except OSError as exc:
-        conn.disconnect()
-        raise RedisConnectionError(f"Error while reading from {_where(conn)}: {exc}") from None
+    while True:
+        if data:
+            try:
+                replies, pushes, end = _parse_all(data, n)
+                break
+            except _More:
+                pass
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionResetError("closed by the server")
+        data += chunk
     if end != len(data):  # more than the replies asked for: out of step with the server
-        conn.disconnect()
-        raise RedisConnectionError(f"{len(data) - end} bytes past the {n} replies asked for from {_where(conn)}")
-    if any(isinstance(reply, ReadOnlyError) for reply in replies) and \
-            getattr(getattr(conn, "connection_pool", None), "is_master", False):
-        conn.disconnect()  # as redis-py's Sentinel connection does: a demoted master; ask the Sentinels again
-        raise RedisConnectionError("The previous master is now a replica")
-    return replies
+        raise ConnectionResetError(f"{len(data) - end} bytes past the {n} replies asked for")
+    return replies, pushes
+
+
+def _plain(sock: Any) -> TypeGuard[socket.socket]:
+    """A plain (not SSL, not green) socket with a timeout: its fd is non-blocking, so it can be spun on."""
+    return type(sock) is socket.socket and _REAL_SOCKET and bool(sock.gettimeout())
+
+
+_REAL_SOCKET = socket.socket.__module__ == "socket"  # (gevent or eventlet patched it: a spin would stall the hub)
+
+
+def _hand_on(conn: Any, push: list[Any]) -> None:
+    """A push frame (RESP3: a maintenance notice, an invalidation) to redis-py's handlers, as its own
+    parser would have passed it."""
+    handle = getattr(getattr(conn, "_parser", None), "handle_push_response", None)
+    if handle is not None:
+        try:
+            handle(list(push))
+        except Exception:  # (a handler's failure is not the lock's)
+            logger.debug("a push frame from %s was not handled", _where(conn), exc_info=True)
 
 
 def _spin(fd: int) -> bytes | None:
     """What the socket has within :data:`SPIN_NS`, tried without sleeping; None if nothing came.
-    (``os.read``: the socket's fd is non-blocking when it has a timeout, and Python's ``recv`` would
-    poll first; without a timeout the read simply blocks, as a plain read would.)"""
+    (``os.read``: the fd of a socket with a timeout is non-blocking, and Python's ``recv`` would
+    poll first.)"""
     deadline = time.perf_counter_ns() + SPIN_NS
     while True:
         try:
-            return os.read(fd, 65536) or None  # (b"": closed; the blocking read below says so)
+            return os.read(fd, 65536) or None  # (b"": closed; the blocking read after says so)
         except BlockingIOError:
             if time.perf_counter_ns() > deadline:
                 return None
@@ -144,14 +193,15 @@ class _Push(list):  # type: ignore[type-arg]
     """A RESP3 push frame (a notice nobody asked for)."""
 
 
-def _parse_all(data: bytes, n: int) -> tuple[list[Any], int]:
+def _parse_all(data: bytes, n: int) -> tuple[list[Any], list[Any], int]:
+    """``n`` replies from the start of ``data``, the push frames among them apart, and where they end."""
     replies: list[Any] = []
+    pushes: list[Any] = []
     pos = 0
     while len(replies) < n or (pos < len(data) and data[pos] == 62):  # (a push after the replies)
         reply, pos = _parse(data, pos)
-        if not isinstance(reply, _Push):
-            replies.append(reply)
-    return replies, pos
+        (pushes if isinstance(reply, _Push) else replies).append(reply)
+    return replies, pushes, pos
 
 
 def _parse(data: bytes, pos: int) -> tuple[Any, int]:

@@ -110,7 +110,7 @@ class ScriptClient:
         """The script's reply out of the replies read (an error among them raised; after a WAIT's,
         :class:`Unreplicated` if too few replicas acknowledged)."""
         for reply in replies:
-            if isinstance(reply, ResponseError):
+            if isinstance(reply, Exception):  # an error reply (NOSCRIPT, a script's error, READONLY, ...)
                 raise reply
         if len(replies) > 1:
             acked = int(replies[-1])
