@@ -759,6 +759,19 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
                        f"peer, {cheapest}, {_s(ct, sign=True)} µs: ours / cheapest peer per round = "
                        f"{_s(ratio, 2)} (median [min…max]; every round must be ≤ 0.75)."),
         })
+        fl = floor_figures(results)
+        if fl:
+            times = fl["times_floor"]["ours"]
+            goals.append({
+                "goal": "Total cost (issue 22: ≤ 0.85x the cheapest peer's in every round, and × floor ≤ 1.25 "
+                        "in every round)",
+                "met": ratio["max"] <= 0.85 and times["max"] <= 1.25,
+                "figure": (f"ours / {cheapest} per round = {_s(ratio, 2)}"
+                           f" ({'every round ≤ 0.85' if ratio['max'] <= 0.85 else 'a round above 0.85'}); "
+                           f"ours × floor per round = {_s(times, 2)}"
+                           f" ({'every round ≤ 1.25' if times['max'] <= 1.25 else 'a round above 1.25'}); "
+                           "median [min…max]."),
+            })
     else:
         goals.append({"goal": "Total cost", "met": False, "figure": "no peer measured (smoke run?)"})
 

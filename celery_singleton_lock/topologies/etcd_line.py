@@ -295,21 +295,26 @@ class EtcdLine:
             chosen = next((w for w in self._waiters(key, r[2:]) if w.record.deadline_ms > now), None)
             if chosen is None or not pick(chosen):
                 return None
-            compare = [_compare_create(lock, 0), _compare_create(turn, 0),
-                       {"key": b64(chosen.name), "target": "MOD", "result": "EQUAL", "mod_revision": str(chosen.mod)}]
-            lease = self._lease(chosen.record.ttl_ms / 1000)
-            # its record says "handed" (and its mod revision moves, so a sweeper that read it before
-            # cannot time it out now); a put keeps its create revision: its place
-            handed = _put(chosen.name, chosen.raw[:1] + b"h" + chosen.raw[2:], 0)
-            if self._txn(compare, [_put(turn, chosen.entry, lease), handed], [], key).get("succeeded"):
+            compare, reserve = self._reservation(key, chosen)
+            if self._txn([_compare_create(lock, 0), *compare], reserve, [], key).get("succeeded"):
                 return chosen
         return None
+
+    def _reservation(self, key: str, chosen: Waiter) -> tuple[Ops, Ops]:
+        """What reserves the free key for ``chosen``, in a txn: the compares (nobody holds the turn,
+        and its record is as read) and the puts (the turn, on a lease of its TTL; its record says
+        "handed", and its mod revision moves, so a sweeper that read it before cannot time it out
+        now; a put keeps its create revision: its place)."""
+        turn = layout.etcd_turn(key)
+        compare = [_compare_create(turn, 0),
+                   {"key": b64(chosen.name), "target": "MOD", "result": "EQUAL", "mod_revision": str(chosen.mod)}]
+        handed = _put(chosen.name, chosen.raw[:1] + b"h" + chosen.raw[2:], 0)
+        return compare, [_put(turn, chosen.entry, self._lease(chosen.record.ttl_ms / 1000)), handed]
 
     def hand_over(self, key: str, ours: Ops, release: Ops) -> tuple[bool, list[Handoff]]:
         """The holder's release when someone waits: delete the lock (``release``, while ``ours`` holds)
         AND reserve the key for the first live waiter in ONE txn, so that no sweeper or newcomer acts in
         between. (Whether it released, the hand-off to send.)"""
-        turn = layout.etcd_turn(key)
         for _ in range(8):  # a waiter that left between the look and the txn: look again
             reads = [_prefix_range(layout.etcd_line(key) + b, limit=HEADS, by_revision=True) for b in layout.ETCD_BANDS]
             now = _now_ms()
@@ -317,11 +322,8 @@ class EtcdLine:
             chosen = next((w for w in waiters if w.record.deadline_ms > now), None)
             if chosen is None:  # nobody live waits (the sweepers time the others out)
                 break
-            compare = [*ours, _compare_create(turn, 0),
-                       {"key": b64(chosen.name), "target": "MOD", "result": "EQUAL", "mod_revision": str(chosen.mod)}]
-            handed = _put(chosen.name, chosen.raw[:1] + b"h" + chosen.raw[2:], 0)  # (see _reserve)
-            reserve = _put(turn, chosen.entry, self._lease(chosen.record.ttl_ms / 1000))
-            if self._txn(compare, [*release, reserve, handed], [], key).get("succeeded"):
+            compare, reserve = self._reservation(key, chosen)
+            if self._txn([*ours, *compare], [*release, *reserve], [], key).get("succeeded"):
                 return True, [chosen.handoff(key, "run")]
             if not self._txn(ours, [], [], key).get("succeeded"):
                 return False, []  # no longer ours (it expired meanwhile)
