@@ -88,22 +88,18 @@ def test_replies_later_than_the_spin_are_read_and_the_connection_stops_spinning(
     server.close()
 
 
-def test_an_error_reply_is_raised_and_leaves_the_connection_in_step(redis):
+@pytest.mark.parametrize("reply, raised", [
+    ("ERR boom", LockBackendRefused),  # a script's error: kept in step, raised as a refusal
+    ("LOADING Redis is loading the dataset in memory", LockBackendUnavailable),
+])
+def test_an_error_reply_is_raised_and_the_next_call_works(redis, reply, raised):
+    """A script's error reply is raised, the connection kept in step. -LOADING (a Redis still loading
+    its data after a restart) is a connection error in redis-py: raised, not returned as the reply;
+    the connection is dropped and the call sent once more, then reported as unavailable."""
     server = LockServer.from_url(redis.url(2))
-    with pytest.raises(LockBackendRefused, match="boom"):
-        server.run("return redis.error_reply('ERR boom')", ("x",), ())
+    with pytest.raises(raised, match=reply.split()[-1]):
+        server.run(f"return redis.error_reply('{reply}')", ("x",), ())
     lock = server.acquire("after-error", 5)
-    assert isinstance(lock, Lock) and server.release(lock).status == 1
-    server.close()
-
-
-def test_an_error_redis_py_raises_as_a_connection_error_is_raised_and_the_call_sent_again(redis):
-    """-LOADING (a Redis still loading its data after a restart) is a connection error in redis-py:
-    raised, not returned as the reply; the connection is dropped and the call sent once more."""
-    server = LockServer.from_url(redis.url(2))
-    with pytest.raises(LockBackendUnavailable, match="loading"):
-        server.run("return redis.error_reply('LOADING Redis is loading the dataset in memory')", ("x",), ())
-    lock = server.acquire("after-loading", 5)
     assert isinstance(lock, Lock) and server.release(lock).status == 1
     server.close()
 
@@ -112,11 +108,14 @@ class Interrupted(Exception):
     """What a Celery soft time limit is: an exception raised in the middle of whatever runs."""
 
 
-def test_an_exception_raised_in_the_middle_of_a_read_drops_the_connection():
-    """A soft time limit may fire while a read waits: the reply still on its way must not be read as
-    the next call's."""
+@pytest.mark.parametrize("cut_by", ["timeout", "interrupt"])
+def test_a_read_cut_short_drops_the_connection(cut_by):
+    """The reply arrives after the read stopped: on the socket timeout (the server frozen past it), or
+    on an exception raised in the middle of the wait (what a Celery soft time limit is). The connection
+    is dropped, so the next call cannot read that reply as its own: the acquire of a key held by
+    someone else then says so."""
     with RedisServer() as redis:
-        mine = LockServer.from_url(redis.url(2))
+        mine = LockServer.from_url(redis.url(2), socket_timeout=0.2 if cut_by == "timeout" else 10)
         other = LockServer.from_url(redis.url(2))
         theirs = other.acquire("theirs", 30)
         assert isinstance(theirs, Lock) and isinstance(mine.acquire("warm", 30), Lock)
@@ -127,33 +126,13 @@ def test_an_exception_raised_in_the_middle_of_a_read_drops_the_connection():
         old = signal.signal(signal.SIGALRM, interrupt)
         redis.pause()
         try:
-            signal.setitimer(signal.ITIMER_REAL, 0.2)
-            with pytest.raises(Interrupted):
+            if cut_by == "interrupt":
+                signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(Interrupted if cut_by == "interrupt" else LockBackendUnavailable):
                 mine.acquire("cut", 30)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
-            redis.resume()
-        with redis.client(2) as c:
-            wait_until(lambda: c.exists("{cut}"), 5, 0.02, "the interrupted acquire to run")
-        assert isinstance(mine.acquire("theirs", 30), Holder)
-        mine.close()
-        other.close()
-
-
-def test_a_read_cut_short_by_a_frozen_server_drops_the_connection():
-    """The reply arrives after the timeout: the connection is dropped, so the next call cannot read it
-    as its own (the acquire of a key held by someone else then says so)."""
-    with RedisServer() as redis:
-        mine = LockServer.from_url(redis.url(2), socket_timeout=0.2)
-        other = LockServer.from_url(redis.url(2))
-        theirs = other.acquire("theirs", 30)
-        assert isinstance(theirs, Lock) and isinstance(mine.acquire("warm", 30), Lock)
-        redis.pause()
-        try:
-            with pytest.raises(LockBackendUnavailable):
-                mine.acquire("cut", 30)
-        finally:
             redis.resume()
         with redis.client(2) as c:
             wait_until(lambda: c.exists("{cut}"), 5, 0.02, "the cut-short acquire to run")

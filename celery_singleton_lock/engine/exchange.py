@@ -63,15 +63,11 @@ def send(conn: Any, data: bytes) -> None:
             sent = 0
         if sent < len(data):
             sock.sendall(data[sent:])
-    except TimeoutError:
-        conn.disconnect()
-        raise RedisTimeoutError(f"Timeout writing to {_where(conn)}") from None
-    except OSError as exc:
-        conn.disconnect()
-        raise RedisConnectionError(f"Error while writing to {_where(conn)}: {exc}") from None
-    except BaseException:
-        conn.disconnect()
-        raise
+    except BaseException as exc:
+        error = _dropped(conn, exc, "writing to")
+        if error is exc:
+            raise
+        raise error from None
 
 
 def read(conn: Any, n: int = 1) -> list[Any]:
@@ -86,18 +82,11 @@ def read(conn: Any, n: int = 1) -> list[Any]:
         return [_through_redis_py(conn) for _ in range(n)]
     try:
         replies, pushes = _read(conn, sock, n)
-    except TimeoutError:
-        conn.disconnect()
-        raise RedisTimeoutError(f"Timeout reading from {_where(conn)}") from None
-    except OSError as exc:
-        conn.disconnect()
-        raise RedisConnectionError(f"Error while reading from {_where(conn)}: {exc}") from None
-    except ValueError as exc:  # (not RESP: a number that is not one)
-        conn.disconnect()
-        raise RedisConnectionError(f"unreadable reply from {_where(conn)}: {exc}") from None
-    except BaseException:
-        conn.disconnect()
-        raise
+    except BaseException as exc:
+        error = _dropped(conn, exc, "reading from")
+        if error is exc:
+            raise
+        raise error from None
     for push in pushes:
         _hand_on(conn, push)
     for reply in replies:
@@ -109,6 +98,20 @@ def read(conn: Any, n: int = 1) -> list[Any]:
         conn.disconnect()  # as redis-py's Sentinel connection does: a demoted master; ask the Sentinels again
         raise RedisConnectionError("The previous master is now a replica")
     return replies
+
+
+def _dropped(conn: Any, exc: BaseException, doing: str) -> BaseException:
+    """Drop a connection a write or a read stopped on half-way (the rest must not be taken for the next
+    call's), and say what to raise: redis-py's error for a timeout, a broken socket or bytes that are
+    not RESP; anything else (an interrupt such as a soft time limit) as it is."""
+    conn.disconnect()
+    if isinstance(exc, TimeoutError):
+        return RedisTimeoutError(f"Timeout {doing} {_where(conn)}")
+    if isinstance(exc, OSError):
+        return RedisConnectionError(f"Error {doing} {_where(conn)}: {exc}")
+    if isinstance(exc, ValueError):  # (a length or a number that is not one)
+        return RedisConnectionError(f"Bytes that are not RESP {doing} {_where(conn)}: {exc}")
+    return exc
 
 
 def _read(conn: Any, sock: socket.socket, n: int) -> tuple[list[Any], list[Any]]:
