@@ -3,7 +3,7 @@
 Its Redis comes from CSL_REDIS_URL_BASE (db 0 broker, 2 locks, 3 journal). One
 entry, ``tick``, is due on every whole second of the wall clock
 (:class:`EverySecond`), so a "tick" has a name all processes agree on: the
-second it is due at. Each send is journalled by the sending beat process
+second it is due at (:data:`DUE`). Each send is journalled by the sending beat process
 (before_task_publish: ``sends`` gets "<tick> <pid> <time> <task id>"), each run
 by the worker (``runs`` gets "<task id> <pid> <time>"), so the tests can count
 sends per tick, tell which beat sent them, and match every send to its run.
@@ -36,6 +36,13 @@ app.conf.update(
 journal = redis.Redis.from_url(f"{BASE}/3")
 
 
+DUE = [0]
+"""The tick this (beat) process's scheduler last found due: what its next send is for. A send is
+named by it, not by the second it leaves in: a leader confirms its lock before each send (on etcd a
+consensus write, milliseconds), so the send of a tick found due at 8.999 may leave at 9.004, and the
+send time would then name it after the next tick, which follows at 9.02."""
+
+
 class EverySecond(schedule):
     """Due once per whole wall-clock second: tick N is due at N.000."""
 
@@ -46,6 +53,8 @@ class EverySecond(schedule):
         now = time.time()
         last = self.maybe_make_aware(last_run_at).timestamp()
         due = math.floor(now) > math.floor(last)
+        if due:
+            DUE[0] = math.floor(now)
         return schedstate(due, max(0.001, math.floor(now) + 1 - now))
 
     def __reduce__(self):  # the shelve pickles the entries
@@ -67,4 +76,4 @@ def tick(self) -> None:
 def journal_send(sender=None, headers=None, **_):
     if sender == "beat_app.tick":  # in the beat process that sends it
         now = time.time()
-        journal.rpush("sends", f"{math.floor(now)} {os.getpid()} {now} {(headers or {}).get('id')}")
+        journal.rpush("sends", f"{DUE[0] or math.floor(now)} {os.getpid()} {now} {(headers or {}).get('id')}")
