@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import time
 from typing import Any, NoReturn
 
@@ -72,6 +73,10 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     block = settings.wait_in_slot if (action is Action.PARK or ahead) and settings.on_duplicate == "retry" else 0.0
     if not isinstance(server, LockServer):  # waiting in a worker slot is one Redis's (BLPOP): etcd parks at once
         block = 0.0
+    # woken in its slot, it is handed the key under this token (no claim after the wake-up), unless
+    # replicas must acknowledge the lock first: its claim waits for them (ACQUIRE, replicated)
+    token = secrets.token_hex(16) if block and not getattr(server, "min_replicas", 0) else ""
+    sent = time.monotonic()
     place = queue.park(
         server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
         owner_id=request.id, message=message, first=first,
@@ -80,6 +85,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         # a redelivery under "coalesce" parks, unless it was merged already: then it stays merged
         merge=action is Action.COALESCE or (action is Action.PARK and settings.on_duplicate == "coalesce"),
         block=block,
+        token=token,
     )
     if not place:
         return None
@@ -98,9 +104,16 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     sweeping.get_sweeper().remember(server, key, entry, request.id, settings.ttl, message)
     sweeping.get_sweeper().watch(server, settings.index)
     if block and not already and isinstance(server, LockServer):
-        lock = _in_slot(server, request, key, entry, settings)
-        if lock is not None:
-            return lock
+        try:
+            got = _in_slot(server, request, key, entry, settings, token)
+        except LockError as exc:  # (with a token) it may have been made the key's owner: sent again with it
+            unreachable(task, request, args, kwargs, settings, token, LockBackendUnavailable(
+                server.url, f"waiting in its worker slot failed ({exc}); whether it was handed the key is unknown"))
+            return None
+        if isinstance(got, queue.Handed):
+            return _handed(task, request, args, kwargs, settings, server, key, token, got.fence, sent)
+        if got is not None:
+            return got
     own = holder_id == request.id
     if not own and not get_actual_ignore_result(task, request):
         task.backend.store_result(
@@ -119,19 +132,53 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     raise Ignore(f"waiting in line for lock {key}")
 
 
-def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: config.LockSettings) -> Lock | None:
+def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: config.LockSettings,
+             token: str) -> Lock | queue.Handed | None:
     """``lock_wait_in_slot``: wait for the hand-off in the worker slot, briefly (the hot-key fast path). The
-    Lock if it was handed the key meanwhile; None once it is parked as usual; Ignore if its turn came as a
-    message (the copy runs it)."""
+    Lock if it was handed the key meanwhile (Handed: made its own already); None once it is parked as
+    usual; Ignore if its turn came as a message (the copy runs it). A LockError if it parked with
+    ``token`` and cannot tell whether the key was made its own (Redis unreachable as the wait ended)."""
     try:
         got = queue.wait_in_slot(server, key, entry, settings.wait_in_slot)
     except LockError as exc:  # its mark in Redis runs out by itself: then it is an ordinary parked task
+        if token:  # ... unless the key was made its own meanwhile: the caller sends it again, with its token
+            raise
         logger.warning("lock %s: task %s stops waiting in its slot (%s); parked", key, request.id, exc)
         return None
+    if isinstance(got, queue.Handed):
+        sweeping.get_sweeper().forget(server, key, entry)  # (its turn came here: nothing to recover)
+        return got
     if got == queue.WOKEN:
-        return _claim(server, request, key, entry, settings)
+        lock = _claim(server, request, key, entry, settings)
+        sweeping.get_sweeper().forget(server, key, entry)  # (its turn came here: nothing to recover)
+        return lock
     if got == queue.SENT:
         raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot: the copy runs it")
+    return None
+
+
+def _handed(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
+            key: str, token: str, fence: int, sent: float) -> Lock | None:
+    """The key made this waiter's own while it waited in its slot: its Lock, its lease counted from
+    when it parked (the hand-off came after that, so the lease is never thought longer than it is).
+
+    Learnt later than a third of the TTL after it parked (a long wait, or a stopped or starved process),
+    the lock is confirmed by a renewal before it is trusted, as the watchdog's first renewal would be
+    overdue. If it ran out meanwhile (the key may have passed on), the call is sent again, to run in its
+    turn; None in eager mode, to try again."""
+    lock = Lock(server, key, token, fence, settings.ttl, request.id, confirmed_at=sent, acquired_at=time.monotonic())
+    late = time.monotonic() - sent
+    if late < settings.ttl / 3:
+        return lock
+    try:
+        if server.renew(lock):
+            return lock
+        why = "it had run out by then"
+    except LockError as exc:  # (its token goes with the call: the copy takes it back if it is still held)
+        why = f"it could not be confirmed ({exc})"
+    unreachable(task, request, args, kwargs, settings, token, LockBackendUnavailable(
+        server.url, f"the key was handed to it while it waited in its worker slot, {late:.2f}s after it "
+        f"parked (more than a third of the lock's ttl of {settings.ttl:g}s), and {why}"))
     return None
 
 

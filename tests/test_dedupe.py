@@ -25,6 +25,7 @@ from celery import chain
 
 from celery_singleton_lock import AlreadyQueued, duplicate_coalesced, publish_joined
 from celery_singleton_lock.engine import layout
+from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.engine.lock import Holder
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
 
@@ -318,6 +319,10 @@ def entries(env, key):
     return {e["tag"]: e["entry"] for e in map(json.loads, env.journal.lrange(f"entries:{key}", 0, -1))}
 
 
+def kept(env, key: str) -> dict[str, list[str]]:
+    return {e["tag"]: e.get("kept", []) for e in map(json.loads, env.journal.lrange(f"entries:{key}", 0, -1))}
+
+
 def test_a_duplicate_handed_the_key_while_it_waits_in_its_slot_runs_there(env):
     """lock_wait_in_slot=1: a duplicate behind a 0.3 s holder is woken by the release and runs in the
     same delivery (no turn message, never WAITING), after the holder, in line order."""
@@ -331,6 +336,8 @@ def test_a_duplicate_handed_the_key_while_it_waits_in_its_slot_runs_there(env):
     assert_no_overlap([(r["start"], r["end"]) for r in done])
     assert [r["tag"] for r in done][0] == "holder"
     assert entries(env, key)["d0"] is None  # ran in its own delivery: no turn was sent
+    for i, dup in enumerate(dups):  # nor does its process keep its parked message (and look it up each second)
+        assert queue.entry_for(dup.id, 0) not in kept(env, key)[f"d{i}"]
 
 
 def test_a_long_holder_makes_the_slot_waiter_park_and_it_runs_in_its_turn(env):
@@ -373,6 +380,62 @@ def test_a_slot_waiter_killed_while_it_waits_runs_in_its_turn_from_its_parked_me
     done = runs(env, key)
     assert [r["tag"] for r in done] == ["holder", "dup"], done
     assert_no_overlap([(r["start"], r["end"]) for r in done])
+
+
+def test_a_slot_waiter_handed_the_key_while_stopped_past_the_ttl_gives_it_back_and_runs_once(env):
+    """The worker child waiting in its slot is SIGSTOPped; the holder's release makes the key its own
+    while it is stopped; the lock runs out, and the sweeper hands the key to the next in line, which
+    runs. Resumed, the stopped child learns of its hand-off long after it parked: it confirms the lock
+    before trusting it (a body now would overlap the running one), finds it gone, and sends its call
+    again, which runs in its turn. Every call runs once, none overlap."""
+    import signal
+
+    key = _key()
+    holder = env.in_slot_long.delay(key, 2.0, "holder")
+    started(env, key)
+    lock_key = env.in_slot_long.lock_key_for((key,), {})
+    locks = env.server.client(2)
+
+    def in_slot(count):
+        return sum(layout.Waiter.parse(r).state == "b" for r in locks.hvals(layout.waiters(lock_key))) >= count
+
+    first = env.in_slot_long.delay(key, 0.0, "first")
+    wait_until(lambda: in_slot(1), TIMEOUT, what="the first duplicate to wait in its worker slot")
+    child = wait_until(lambda: worker_child_of(env, first.id), TIMEOUT, what="the first duplicate's worker child")
+    os.kill(child, signal.SIGSTOP)
+    try:
+        second = env.in_slot_long.delay(key, 4.0, "second")
+        assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+        # the key was made the stopped child's own; it runs out (TTL 5 s) and the second one gets it
+        wait_until(lambda: "second" in [r["tag"] for r in map(json.loads, env.journal.lrange(f"started:{key}", 0, -1))],
+                   TIMEOUT, what="the second duplicate to start after the stopped one's lock ran out")
+    finally:
+        os.kill(child, signal.SIGCONT)
+    assert second.get(timeout=TIMEOUT)["tag"] == "second"
+    assert first.get(timeout=TIMEOUT)["tag"] == "first"
+    done = runs(env, key)
+    assert sorted(r["tag"] for r in done) == ["first", "holder", "second"], done
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    assert sent_again(env, key)["first"] == 1  # (its copy ran it)
+
+
+def test_a_slot_waiter_handed_the_key_after_a_long_wait_confirms_it_and_runs_there(env):
+    """A wait in the slot longer than a third of the TTL (5 s here): the waiter's lease counts from when
+    it parked, so it renews the lock once before it trusts it, and runs in the same delivery."""
+    key = _key()
+    holder = env.in_slot_long.delay(key, 2.5, "holder")
+    started(env, key)
+    dup = env.in_slot_long.delay(key, 0.0, "dup")
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+    done = runs(env, key)
+    assert [r["tag"] for r in done] == ["holder", "dup"], done
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    assert sent_again(env, key)["dup"] is None  # not sent again: it ran in the delivery that waited
+
+
+def sent_again(env, key: str) -> dict[str, int | None]:
+    return {e["tag"]: e["sent_again"] for e in map(json.loads, env.journal.lrange(f"sent-again:{key}", 0, -1))}
 
 
 def worker_child_of(env, task_id):

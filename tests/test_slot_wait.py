@@ -32,11 +32,65 @@ def _state(server: LockServer, key: str, entry: str) -> str:
     return "" if record is None else layout.Waiter.parse(record).state
 
 
-def _park(server, key, owner, block=0.0, first=False, again=False):
+def _park(server, key, owner, block=0.0, first=False, again=False, token=""):
     entry = queue.entry_for(owner)
     assert queue.park(server, key, entry, kind="t", wait=30, ttl=5, owner_id=owner, message=b"m-" + owner.encode(),
-                      block=block, first=first, again=again)
+                      block=block, first=first, again=again, token=token)
     return entry
+
+
+def test_a_release_makes_the_key_the_slot_waiters_own_and_its_wake_up_carries_the_fence(server):
+    """A slot waiter that parked with its token is not woken to claim: the release makes the key its
+    own (its token, a newer fence, its metadata), takes it out of the line with a tombstone, and sends
+    nothing. The waiter's lock is then an ordinary one."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="tok1")
+    before = holder.fencing_token  # (drawn now, while held: a fresh lock draws it when first read)
+    released = server.release(holder)
+    assert released.status == 1 and released.handoffs == ()
+    seen = server.holder(key)
+    assert seen is not None and seen.owner_id == "w1" and seen.fencing_token > before
+    assert server.client.get(key).startswith(b"tok1 ")
+    assert _state(server, key, entry) == "" and queue.line(server, key) == []
+    assert server.client.zscore(layout.gone(key), entry) is not None  # a redelivery of it finds TOOK_ITS_TURN
+    got = queue.wait_in_slot(server, key, entry, 1.0)
+    assert got == queue.Handed(seen.fencing_token)
+    lock = Lock(server, key, "tok1", got.fence, 5, "w1")
+    assert lock.renew() and server.release(lock).status == 1 and server.holder(key) is None
+
+
+def test_a_missed_wake_up_of_a_direct_hand_over_is_found_when_the_wait_ends(server):
+    """The wake-up's reply was lost (its read cut short): when the waiter stops waiting, its slot mark
+    says the key is its own, with the fence; it is not taken for a task whose turn went as a message."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="tok1")
+    server.release(holder)
+    assert server.client.delete(layout.wake(key, entry)) == 1  # as if its BLPOP popped it and the reply was lost
+    got = queue.wait_in_slot(server, key, entry, 0.01)
+    assert isinstance(got, queue.Handed) and got.fence == server.holder(key).fencing_token
+
+
+def test_a_retried_release_after_a_direct_hand_over_counts_as_deleted(server):
+    """The release's reply was lost after it made the key a slot waiter's own: its retry is told
+    "deleted" (not "another holds it", which would report the lock lost)."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    _park(server, key, "w1", block=5.0, token="tok1")
+    assert server.release(holder).status == 1
+    assert server.release(holder, again=True).status == 1
+    assert server.client.get(key).startswith(b"tok1 ")
+
+
+def test_a_short_hold_after_a_direct_hand_over_sends_the_next_in_line_ahead(server):
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    _park(server, key, "w1", block=5.0, token="tok1")
+    second = _park(server, key, "w2")
+    released = server.release(holder, presend=5.0)
+    assert [(h.what, h.entry) for h in released.handoffs] == [("next", second)]
+    assert _state(server, key, second) == "n"
 
 
 def test_a_release_wakes_a_slot_waiter_and_sends_nothing(server):

@@ -44,12 +44,13 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from redis.exceptions import RedisError
 
 from ..exceptions import LockError
-from . import layout, line_scripts
+from . import layout, line_scripts, wire
 from .lock import Handoff, Holder, Lock, Verdict, ms, slot_safe
 from .server import LockBackend, LockServer
 
@@ -147,6 +148,7 @@ def park(
     redelivered: bool = False,
     merge: bool = False,
     block: float = 0.0,
+    token: str = "",
 ) -> int:
     """Put a waiter in ``name``'s line: its place (1 = next), 0 if the key is free and nobody
     waits (then take it instead), or its place if ``entry`` is parked already and
@@ -162,6 +164,8 @@ def park(
     message joins its merged calls instead (:class:`Merged`; see :mod:`.dedupe`).
     ``block`` > 0: the task goes on waiting in its worker slot that many seconds
     (:func:`wait_in_slot`); a hand-off meanwhile wakes it there instead of sending its message.
+    With ``token`` too, that hand-off makes the key its own at once, under ``token`` (:class:`Handed`):
+    the wake-up is the acquire, with no claim round trip after it.
     """
     if "\n" in owner_id:
         raise ValueError(f"an owner id cannot contain a newline: {owner_id!r}")
@@ -174,7 +178,8 @@ def park(
     reply = server.run(
         line_scripts.PARK, server.keys_for(key),
         (entry, kind, ms(wait), ms(ttl), owner_id, message, "1" if first else "0", "1" if again else "0",
-         "1" if redelivered else "0", "1" if merge else "0", str(ms(block)) if block > 0 else "0"),
+         "1" if redelivered else "0", "1" if merge else "0", str(ms(block)) if block > 0 else "0",
+         f"{token} {wire.meta(owner_id)}" if token and block > 0 else ""),
     )
     status = int(reply[0])
     if status == 4:
@@ -190,15 +195,25 @@ def park(
 
 WOKEN, PARKED, SENT = 2, 1, 0
 """What :func:`wait_in_slot` returns: the key is reserved for it (claim it now); it is parked (its message
-goes when its turn comes); or its turn came as a message already (or it left the line): the delivery ends."""
+goes when its turn comes); or its turn came as a message already (or it left the line): the delivery ends.
+Or a :class:`Handed`."""
 
 
-def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> int:
+@dataclass(frozen=True)
+class Handed:
+    """The key was made the waiter's own, under the token it parked with (:func:`park`'s ``token``),
+    with this fencing token: it holds the lock now."""
+
+    fence: int
+
+
+def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> int | Handed:
     """Wait in the worker slot for the hand-off of a task parked with ``block``, up to ``seconds``.
 
     The hot-key fast path: a release wakes the waiter through its wake-up list in the same round trip
     that hands it the key, and it runs at once, with no message through the broker. Past ``seconds``
     it stops waiting there (one script decides, atomically, against a hand-off landing meanwhile).
+    A wake-up missed (a read cut short) is found there too: the waiter's slot mark says it was handed.
     """
     key = slot_safe(name)
     try:
@@ -207,8 +222,10 @@ def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> i
         woken = None
         logger.warning("lock %s: waiting in the worker slot failed (%s); parked instead", name, exc)
     if woken:
-        return WOKEN
-    return int(server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry,)))
+        value = woken[1] if isinstance(woken[1], str) else woken[1].decode()  # (a decode_responses client)
+        return WOKEN if value == "1" else Handed(int(value))
+    reply = server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry,))
+    return Handed(int(reply[1])) if isinstance(reply, list) else int(reply)
 
 
 def leave(server: LockBackend, name: str, entry: str) -> bool:

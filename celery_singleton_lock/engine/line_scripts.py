@@ -18,6 +18,8 @@ PARK = _KEYS + """
 -- id> says where it went) and {4, entry, owner} is returned.
 -- ARGV[11] ms the task waits in its worker slot ('0' none): state 'b', and LOCK:b:<entry> lives that
 -- long; a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message.
+-- ARGV[12] ('' none) "<token> <metadata>" of the lock it would take: the hand-off then makes the key
+-- its own at once (no claim), and the wake-up carries the fence.
 -- Returns {0} when the key is free and nobody waits (take it instead), {5} when the key is reserved
 -- for this entry (its copy, ARGV[8]: claim it),
 -- {2, place (0: out of line, its copy on its way)} when the entry is parked
@@ -65,7 +67,8 @@ local wait = tonumber(ARGV[3])
 local state = 'p'
 if (ARGV[11] or '0') ~= '0' then
   state = 'b'
-  redis.call('SET', LOCK .. ':b:' .. ARGV[1], '1', 'PX', ARGV[11])
+  local mark = ARGV[12] or ''
+  redis.call('SET', LOCK .. ':b:' .. ARGV[1], mark ~= '' and mark or '1', 'PX', ARGV[11])
 end
 local rec = ARGV[2] .. state .. '\\n' .. string.format('%.0f', now + wait) .. '\\n'
   .. ARGV[4] .. '\\n' .. ARGV[5] .. '\\n' .. ARGV[6]
@@ -143,8 +146,10 @@ UNBLOCK = _KEYS + """
 -- ARGV[1] entry id: a task that waited in its worker slot stops waiting there (see PARK's ARGV[11]).
 -- Returns 1 parked now (its message is sent when its turn comes), 2 it was woken: the key is
 -- reserved for it, claim it now, 0 it was handed the key as a message (or left the line): this
--- delivery ends.
+-- delivery ends; {3, fence}: the key was made its own (PARK's ARGV[12]), its wake-up missed.
+local mark = redis.call('GET', LOCK .. ':b:' .. ARGV[1])
 redis.call('DEL', LOCK .. ':b:' .. ARGV[1])
+if mark and string.sub(mark, 1, 1) == '=' then return {3, string.sub(mark, 2)} end
 local rec = redis.call('HGET', WAITERS, ARGV[1])
 if not rec then return 0 end
 local state = string.sub(rec, 2, 2)

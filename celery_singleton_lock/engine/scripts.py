@@ -74,28 +74,46 @@ local function hand_off(now, drop_owner, out)
       gone(e)
       if kind == 't' then out[#out + 1] = {'expired', e, rec} end
     else
-      local reserved = cjson.encode({owner = owner, reserved = true, by = handed_by})
-      redis.call('SET', LOCK, '~' .. e .. ' 0 ' .. reserved, 'PX', ttl)
-      if state == 'b' and redis.call('EXISTS', LOCK .. ':b:' .. e) == 1 then
-        -- a task still waiting in its worker slot: woken there, nothing to send
-        redis.call('HSET', WAITERS, e, kind .. 'w' .. string.sub(rec, 3))
-        redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
+      local mark = state == 'b' and redis.call('GET', LOCK .. ':b:' .. e)
+      if mark and mark ~= '1' then
+        -- a task waiting in its worker slot that left its token and metadata in its mark
+        -- ("<token> <meta>"): the key is its own from here, as its claim would make it, and
+        -- the mark says so ('=' .. fence) while the lock may live, should its wake-up be missed
+        local token, meta = string.match(mark, '^(%S+) (.*)$')
+        if handed_by ~= '' then meta = string.sub(meta, 1, -2) .. ',"by":"' .. handed_by .. '"}' end
+        redis.call('LPOP', LINE)
+        gone(e)
+        local t = redis.call('TIME')
+        local fence = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
+        redis.call('SET', LOCK, holding(token, fence, meta), 'PX', ttl)
+        redis.call('SET', LOCK .. ':b:' .. e, '=' .. fence, 'PX', ttl + 60000)
+        redis.call('RPUSH', LOCK .. ':wake:' .. e, fence)
         redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
-      elseif state == 'n' then
-        -- its message went ahead of its turn (see presend): the key waits for that copy
-        redis.call('HSET', WAITERS, e, kind .. 'c' .. string.sub(rec, 3))
       else
-        redis.call('HSET', WAITERS, e, kind .. 'h' .. string.sub(rec, 3))
-        if kind == 'p' then
+        local reserved = cjson.encode({owner = owner, reserved = true, by = handed_by})
+        redis.call('SET', LOCK, '~' .. e .. ' 0 ' .. reserved, 'PX', ttl)
+        if mark then
+          -- a task still waiting in its worker slot (an older worker's mark, '1'): woken there to
+          -- claim the key reserved for it; nothing to send
+          redis.call('HSET', WAITERS, e, kind .. 'w' .. string.sub(rec, 3))
           redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
           redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
+        elseif state == 'n' then
+          -- its message went ahead of its turn (see presend): the key waits for that copy
+          redis.call('HSET', WAITERS, e, kind .. 'c' .. string.sub(rec, 3))
+        else
+          redis.call('HSET', WAITERS, e, kind .. 'h' .. string.sub(rec, 3))
+          if kind == 'p' then
+            redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
+            redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
+          end
+          out[#out + 1] = {'run', e, rec}
         end
-        out[#out + 1] = {'run', e, rec}
       end
       if presend then
         -- a short hold (RELEASE sets presend): the next task in line is sent now, to wait for its
         -- turn in a worker slot, woken there by the next release rather than sent by it
-        local n = redis.call('LINDEX', LINE, 1)
+        local n = redis.call('LINDEX', LINE, (mark and mark ~= '1') and 0 or 1)  -- (a direct hand-over left)
         local nrec = n and redis.call('HGET', WAITERS, n)
         if nrec and string.sub(nrec, 1, 2) == 'tp' then
           redis.call('HSET', WAITERS, n, 'tn' .. string.sub(nrec, 3))
@@ -189,6 +207,9 @@ if held then
       local rec = redis.call('HGET', WAITERS, e)
       if rec and string.sub(rec, 2, 2) == 'h' then return {1, {'run', e, rec}} end
       return {1}
+    end
+    if ARGV[6] == '1' and string.find(held, ',"by":"' .. handed_by .. '"', 1, true) then
+      return {1}  -- our first try ran and made the key a slot waiter's own (nothing to send)
     end
     local cool = string.match(held, '^= %d+ (.*)$')
     if ARGV[6] == '1' and cool and cjson.decode(cool).owner == ARGV[2] then return {1} end  -- our first try's cooldown

@@ -70,6 +70,12 @@ class Sweeper:
             )
             self._start()
 
+    def forget(self, server: LockServer, name: str, entry: str) -> None:
+        """A parked task of this process took its turn here (woken in its worker slot): its message
+        needs no keeping, nor a look each round to learn that it left."""
+        with self._cond:
+            self._parked.pop((server, slot_safe(name), entry), None)
+
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
             self._stopping = True
@@ -194,6 +200,11 @@ class Sweeper:
 
     def parked_count(self) -> int:
         return len(self._parked)
+
+    def kept_entries(self) -> set[str]:
+        """The entries whose messages this process keeps (for tests and operators)."""
+        with self._cond:
+            return {entry for (_, _, entry) in self._parked}
 
 
 _sweeper: Sweeper | None = None

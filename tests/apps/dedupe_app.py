@@ -15,6 +15,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import LockedTask
+from celery_singleton_lock.engine.sweeper import get_sweeper
 
 BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
 
@@ -99,10 +100,20 @@ def errback_log(request, exc, traceback) -> None:
     journal.rpush("errbacks", json.dumps({"id": request.id, "exc": type(exc).__name__}))
 
 
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=5.0)
+def in_slot_long(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
+    """As in_slot, waiting up to 5 s in its worker slot (longer than a third of the 5 s TTL): journals
+    whether its call was sent again (the header that counts those sends)."""
+    result = _run(self, key, seconds, tag)
+    journal.rpush(f"sent-again:{key}", json.dumps({"tag": tag, "sent_again": (self.request.headers or {}).get(
+        "singleton_lock_unreachable")}))
+    return result
+
+
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=1.0)
 def in_slot(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
     """A "retry" duplicate first waits up to 1 s in its worker slot: journals whether it came as a turn."""
     result = _run(self, key, seconds, tag)
     journal.rpush(f"entries:{key}", json.dumps({"tag": tag, "entry": (self.request.headers or {}).get(
-        "singleton_lock_entry")}))
+        "singleton_lock_entry"), "kept": sorted(get_sweeper().kept_entries())}))
     return result
