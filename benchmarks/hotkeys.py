@@ -25,6 +25,8 @@ import hashlib
 import itertools
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,7 +35,76 @@ from typing import Any
 from harness import BenchWorker, percentile, stop_all
 
 from celery_singleton_lock.engine import line_scripts, scripts
-from celery_singleton_lock.testing.servers import Monitor, RedisServer, wait_until
+from celery_singleton_lock.testing.servers import RedisServer, _parse_monitor_line, wait_until
+
+_COPY_MONITOR = """
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.sendall(b"MONITOR\\r\\n")
+with open(sys.argv[2], "wb", buffering=0) as out:
+    while chunk := s.recv(1 << 20):
+        out.write(chunk)
+"""
+
+
+class RawMonitor:
+    """MONITOR, copied byte for byte into a file by a process of its own and parsed after the run.
+
+    The drain measures throughput: the test suite's Monitor parses every line in a thread of this
+    process as it comes, and that took a third of the machine's CPU from the workers (a hot-key drain
+    ran 30 % slower under it). A copy costs almost nothing; Redis's own MONITOR output remains.
+    """
+
+    def __init__(self, server: RedisServer, path: Path) -> None:
+        self.server, self.path = server, path
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._offset = 0
+
+    def __enter__(self) -> RawMonitor:
+        self._proc = subprocess.Popen([sys.executable, "-c", _COPY_MONITOR, str(self.server.port), str(self.path)])
+
+        def live() -> bool:  # a marker sent before its MONITOR began is never seen: send them until one is
+            marker = self._marker()
+            time.sleep(0.02)
+            return self.path.exists() and marker in self.path.read_bytes()
+
+        wait_until(live, 10, 0.0, "MONITOR to start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()  # (by PID)
+            self._proc.wait(10)
+
+    def _marker(self) -> bytes:
+        marker = f"csl-sync-{time.monotonic_ns()}"
+        with self.server.client() as c:
+            c.echo(marker)
+        return f'"ECHO" "{marker}"'.encode()
+
+    def sync(self) -> None:
+        """Wait until every command sent before this call is in the file."""
+        marker = self._marker()
+        wait_until(lambda: self.path.exists() and marker in self.path.read_bytes()[self._offset:], 10, 0.01,
+                   "MONITOR sync")
+
+    def clear(self) -> None:
+        """Forget what was recorded so far."""
+        self.sync()
+        self._offset = self.path.stat().st_size
+
+    def commands(self) -> list[list[str]]:
+        """The commands clients sent since :meth:`clear` (not those of scripts, nor the connections' set-up)."""
+        skip = {"HELLO", "SELECT", "CLIENT", "ECHO", "PING", "MONITOR", "INFO"}
+        out = []
+        for line in self.path.read_bytes()[self._offset:].split(b"\r\n"):
+            if not line.startswith(b"+") or line == b"+OK":
+                continue
+            _, _, client, words = _parse_monitor_line(line[1:])
+            if client != "lua" and words and words[0].upper() not in skip:
+                out.append(words)
+        return out
+
 
 _seq = itertools.count(1)
 HANDOFF_QUEUE = "hot-one"
@@ -79,6 +150,7 @@ class HotRecords:
         """task id -> [(t ns, policy)]"""
         self.pubs: list[tuple[str, str, int, int, str]] = []
         """(task name, task id, t ns, pid, why)"""
+        self._counts: dict[str, int] = {}
 
     def poll(self) -> None:
         for directory in self.dirs:
@@ -92,12 +164,18 @@ class HotRecords:
                 for line in data[:end].decode().splitlines():
                     self._parse(line.split())
 
+    def count(self, variant: str) -> int:
+        """How many body and gave-up records of ``variant`` were read so far (all its runs)."""
+        return self._counts.get(variant, 0)
+
     def _parse(self, w: list[str]) -> None:
         kind = w[0]
         if kind == "body":
             self.bodies.setdefault((w[1], int(w[2])), []).append((int(w[3]), int(w[4]), int(w[5]), int(w[6])))
+            self._counts[w[1]] = self._counts.get(w[1], 0) + 1
         elif kind == "gave-up":
             self.gave_up[(w[1], int(w[2]))] = int(w[3])
+            self._counts[w[1]] = self._counts.get(w[1], 0) + 1
         elif kind == "gate":
             self.gates[int(w[1])] = int(w[2])
         elif kind == "park":
@@ -253,7 +331,7 @@ def handoff_latency(cluster: HotCluster, n: int, body_s: float, variant: str = "
     published = {tid: t for _, tid, t, _, why in rec.pubs if why == "entry"}
     to_pub, from_pub = [], []
     for i in range(1, len(runs)):
-        t = published.get(f"hot-{variant}-{runs[i][1]}")
+        t = published.get(f"hot-{variant}-{runs[i][1]}") if variant == "ours" else None  # (slot: sent ahead)
         if t is not None:
             to_pub.append(t - runs[i - 1][0][1])
             from_pub.append(runs[i][0][0] - t)
@@ -291,12 +369,12 @@ def drain(cluster: HotCluster, variant: str, n: int, body_s: float, cap: float,
     rec = cluster.records
     app = cluster.app
     task = getattr(app, {"ours": "hot_ours", "ours-slot": "hot_ours_slot", "backoff": "hot_backoff",
-                         "rlock": "hot_rlock"}[variant])
+                         "rlock": "hot_rlock", "plain": "hot_plain"}[variant])
     seqs = [next(_seq) for _ in range(n)]
     sku = f"drain-{variant}-{seqs[0]}"
     ids = {f"hot-{variant}-{s}": s for s in seqs}
     extra: tuple[Any, ...] = (cap + 30.0,) if variant == "rlock" else ()  # blocking_timeout: past the cap
-    with Monitor(cluster.locks) as mon:
+    with RawMonitor(cluster.locks, cluster.out_dir / f"monitor-{sku}.txt") as mon:
         mon.clear()
         cluster.pause()
         try:
@@ -308,16 +386,19 @@ def drain(cluster: HotCluster, variant: str, n: int, body_s: float, cap: float,
             cluster.resume()
         deadline = time.monotonic() + cap - published_s
         last_say = time.monotonic()
-        while True:
+        ran = gave_up = 0
+        before = rec.count(variant)
+        while True:  # (light: this process shares the machine with the workers it measures)
             rec.poll()
-            ran = sum(1 for s in seqs if (variant, s) in rec.bodies)
-            gave_up = sum(1 for s in seqs if (variant, s) in rec.gave_up)
+            if ran + gave_up < rec.count(variant) - before:  # (only then the exact count, over this run's tasks)
+                ran = sum(1 for s in seqs if (variant, s) in rec.bodies)
+                gave_up = sum(1 for s in seqs if (variant, s) in rec.gave_up)
             if ran + gave_up >= n or time.monotonic() > deadline:
                 break
             if time.monotonic() - last_say > 15:
                 last_say = time.monotonic()
                 progress(f"    {variant}: {ran} of {n} done after {(time.monotonic_ns() - t0) / 1e9:.0f} s")
-            time.sleep(0.05)
+            time.sleep(0.1)
         stopped = time.monotonic_ns()
         time.sleep(0.1)
         mon.sync()
@@ -350,7 +431,10 @@ def drain(cluster: HotCluster, variant: str, n: int, body_s: float, cap: float,
                 if s not in seen:
                     seen.add(s)
                     order.append(s)
-        waiters = {ids[t] for t in rec.parks if t in ids}
+        # ours: those that parked (its duplicate_skipped record); ours-slot: every PARK, a slot wait too
+        waiters = {ids[t] for t in rec.parks if t in ids} if variant == "ours" else seen
+    elif variant == "plain":  # no lock: nobody waits
+        waiters = set()
     elif variant == "backoff":
         for w in cmds:
             owner = _acquire_owner(w)
@@ -375,6 +459,7 @@ def drain(cluster: HotCluster, variant: str, n: int, body_s: float, cap: float,
     in_order = longest_in_order(starts) / len(starts) if starts else None
 
     last_end = max((r[1] for r in runs), default=t0)
+    first_start = min((r[0] for r in runs), default=t0)
     return {
         "variant": variant, "n": n, "body_s": body_s, "nodes": cluster.n_nodes, "concurrency": cluster.concurrency,
         "ideal_s": n * body_s, "cap_s": cap, "finished": finished,
@@ -383,6 +468,8 @@ def drain(cluster: HotCluster, variant: str, n: int, body_s: float, cap: float,
         "completed": len(firsts), "gave_up": gave_up,
         "lost": (n - len(firsts)) if finished or variant.startswith("ours") else None,
         "rate": len(firsts) / ((last_end - t0) / 1e9) if finished and last_end > t0 else None,
+        # sustained: from the first body's start, so not the client's publishing (the nodes paused meanwhile)
+        "sustained": len(firsts) / ((last_end - first_start) / 1e9) if finished and last_end > first_start else None,
         "ran_twice": sum(1 for bl in firsts.values() if len(bl) > 1),
         "overlaps": overlaps,
         "publishes_client": n, "publishes_worker": len(pubs), "publishes_by_why": why,
@@ -405,7 +492,7 @@ def run(out_dir: Path, p: dict[str, Any], progress: Callable[[str], None]) -> di
             lat = out[name]["latency_ms"]
             progress(f"    p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms, max {lat['max']:.2f} ms")
         drains = {}
-        variants = ("ours-slot", "ours", "rlock", "backoff")
+        variants = ("ours-slot", "ours", "rlock", "backoff", "plain")
         for i, variant in enumerate(variants):
             cap = p["hot_cap_ours"] if variant.startswith("ours") else p["hot_cap"]
             progress(f"  drain, {variant}: {p['hot_n']} tasks on one key, {p['hot_body'] * 1000:g} ms body, "

@@ -63,7 +63,9 @@ def test_benchmarks_smoke_run(tmp_path: Path) -> None:
     fast = results["hot"]["drain"]["ours-slot"]  # lock_wait_in_slot: woken in the worker slot
     assert fast["finished"] and fast["lost"] == 0 and fast["overlaps"] == 0 and fast["ran_twice"] == 0
     assert drain["in_order"] == 1.0  # first come, first served
-    assert set(results["hot"]["drain"]) == {"ours-slot", "ours", "rlock", "backoff"}
+    assert fast["in_order"] is None or fast["in_order"] >= 0.9  # (read from its PARKs now; few in a smoke run)
+    assert fast["sustained"] and fast["sustained"] >= fast["rate"]  # (the publishing is not in the sustained rate)
+    assert set(results["hot"]["drain"]) == {"ours-slot", "ours", "rlock", "backoff", "plain"}
     handoff = results["hot"]["handoff"]
     assert handoff["latency_ms"]["n"] == handoff["n"] and handoff["overlaps"] == 0 and handoff["on_one_node"]
     assert {r["impl"] for r in results["plain_handoff"]} >= {"ours", "redis-py"}
