@@ -107,12 +107,17 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         try:
             got = _in_slot(server, request, key, entry, settings, token)
         except LockError as exc:  # (with a token) it may have been made the key's owner: sent again with it
-            unreachable(task, request, args, kwargs, settings, token, LockBackendUnavailable(
-                server.url, f"waiting in its worker slot failed ({exc}); whether it was handed the key is unknown"))
+            _slot_again(task, request, args, kwargs, settings, server, token,
+                        f"waiting in its worker slot failed ({exc}); whether it was handed the key is unknown")
+            return None
+        if got == queue.LAPSED:
+            _slot_again(task, request, args, kwargs, settings, server, token,
+                        "it was handed the key while it waited in its worker slot, and that lock ran out "
+                        "before it learnt so (the process was stopped or starved)")
             return None
         if isinstance(got, queue.Handed):
             return _handed(task, request, args, kwargs, settings, server, key, token, got.fence, sent)
-        if got is not None:
+        if isinstance(got, Lock):
             return got
     own = holder_id == request.id
     if not own and not get_actual_ignore_result(task, request):
@@ -133,13 +138,13 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
 
 
 def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: config.LockSettings,
-             token: str) -> Lock | queue.Handed | None:
+             token: str) -> Lock | queue.Handed | int | None:
     """``lock_wait_in_slot``: wait for the hand-off in the worker slot, briefly (the hot-key fast path). The
     Lock if it was handed the key meanwhile (Handed: made its own already); None once it is parked as
     usual; Ignore if its turn came as a message (the copy runs it). A LockError if it parked with
     ``token`` and cannot tell whether the key was made its own (Redis unreachable as the wait ended)."""
     try:
-        got = queue.wait_in_slot(server, key, entry, settings.wait_in_slot)
+        got = queue.wait_in_slot(server, key, entry, settings.wait_in_slot, token)
     except LockError as exc:  # its mark in Redis runs out by itself: then it is an ordinary parked task
         if token:  # ... unless the key was made its own meanwhile: the caller sends it again, with its token
             raise
@@ -154,7 +159,7 @@ def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: c
         return lock
     if got == queue.SENT:
         raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot: the copy runs it")
-    return None
+    return queue.LAPSED if got == queue.LAPSED else None
 
 
 def _handed(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
@@ -176,9 +181,18 @@ def _handed(task: Any, request: Any, args: Any, kwargs: Any, settings: config.Lo
         why = "it had run out by then"
     except LockError as exc:  # (its token goes with the call: the copy takes it back if it is still held)
         why = f"it could not be confirmed ({exc})"
-    unreachable(task, request, args, kwargs, settings, token, LockBackendUnavailable(
-        server.url, f"the key was handed to it while it waited in its worker slot, {late:.2f}s after it "
-        f"parked (more than a third of the lock's ttl of {settings.ttl:g}s), and {why}"))
+    _slot_again(task, request, args, kwargs, settings, server, token,
+                f"the key was handed to it while it waited in its worker slot, {late:.2f}s after it parked "
+                f"(more than a third of the lock's ttl of {settings.ttl:g}s), and {why}")
+    return None
+
+
+def _slot_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
+                token: str, why: str) -> None:
+    """A slot waiter that cannot run now and may have been handed the key: its call is sent again,
+    carrying its token (the copy takes the key back if it is still held under it; else it parks, or
+    finds its entry parked already), as when Redis is unreachable. Returns only in eager mode."""
+    unreachable(task, request, args, kwargs, settings, token, LockBackendUnavailable(server.url, why))
     return None
 
 

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from celery_singleton_lock.engine import layout
+from celery_singleton_lock.engine import layout, line_scripts
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.engine.lock import Lock
 from celery_singleton_lock.engine.server import LockServer
@@ -54,22 +54,78 @@ def test_a_release_makes_the_key_the_slot_waiters_own_and_its_wake_up_carries_th
     assert server.client.get(key).startswith(b"tok1 ")
     assert _state(server, key, entry) == "" and queue.line(server, key) == []
     assert server.client.zscore(layout.gone(key), entry) is not None  # a redelivery of it finds TOOK_ITS_TURN
-    got = queue.wait_in_slot(server, key, entry, 1.0)
+    got = queue.wait_in_slot(server, key, entry, 1.0, "tok1")
     assert got == queue.Handed(seen.fencing_token)
     lock = Lock(server, key, "tok1", got.fence, 5, "w1")
     assert lock.renew() and server.release(lock).status == 1 and server.holder(key) is None
 
 
 def test_a_missed_wake_up_of_a_direct_hand_over_is_found_when_the_wait_ends(server):
-    """The wake-up's reply was lost (its read cut short): when the waiter stops waiting, its slot mark
-    says the key is its own, with the fence; it is not taken for a task whose turn went as a message."""
+    """The wake-up's reply was lost (its read cut short): when the waiter stops waiting, the lock's value
+    (its token) says the key is its own, with the fence, however often that look is sent (its own reply
+    lost too); it is not taken for a task whose turn went as a message."""
     key = _key()
     holder = server.acquire(key, 5, owner_id="holder")
     entry = _park(server, key, "w1", block=5.0, token="tok1")
     server.release(holder)
     assert server.client.delete(layout.wake(key, entry)) == 1  # as if its BLPOP popped it and the reply was lost
-    got = queue.wait_in_slot(server, key, entry, 0.01)
-    assert isinstance(got, queue.Handed) and got.fence == server.holder(key).fencing_token
+    fence = server.holder(key).fencing_token
+    assert queue.wait_in_slot(server, key, entry, 0.01, "tok1") == queue.Handed(fence)
+    assert queue.wait_in_slot(server, key, entry, 0.01, "tok1") == queue.Handed(fence)  # sent again: the same
+
+
+def test_a_wake_up_not_read_before_the_wait_ended_is_found_there(server):
+    """The hand-off landed after its BLPOP timed out and before it said so: the fence is still in its
+    wake-up list, and the end of the wait takes it."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="tok1")
+    server.release(holder)
+    got = server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry, "tok1"))
+    assert got[0] == 3 and int(got[1]) == server.holder(key).fencing_token
+
+
+def test_a_direct_hand_over_whose_lock_ran_out_before_the_waiter_learnt_of_it_is_told_apart(server):
+    """A waiter stopped for longer than the lock's TTL after it was handed the key: its wake-up and its
+    lock are gone, and only the tombstone says it was handed the key (its call is then sent again);
+    a waiter timed out of the line is not mistaken for it."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="tok1")
+    server.release(holder)
+    server.client.delete(layout.wake(key, entry), key)  # both ran out
+    assert queue.wait_in_slot(server, key, entry, 0.01, "tok1") == queue.LAPSED
+    other = _key()
+    server.acquire(other, 5, owner_id="holder2")
+    entry = _park(server, other, "w2", block=5.0, token="tok2")
+    assert queue.leave(server, other, entry) is False  # left the line (revoked): an ordinary tombstone
+    assert queue.wait_in_slot(server, other, entry, 0.01, "tok2") == queue.SENT
+
+
+def test_a_park_sent_again_after_its_reply_was_lost_still_waits_in_its_slot(server):
+    """The PARK ran and its reply was lost; the client sends it again: it is told it is parked (its own
+    mark carries its token), not "parked already", which would end the delivery and leave the key to
+    be made the owner of a token nobody holds."""
+    key = _key()
+    server.acquire(key, 5, owner_id="holder")
+    entry = queue.entry_for("w1")
+    args = dict(kind="t", wait=30, ttl=5, owner_id="w1", message=b"m", block=5.0, token="tok1")
+    assert queue.park(server, key, entry, **args) == 1
+    again = queue.park(server, key, entry, **args)
+    assert again == 1 and not isinstance(again, queue.AlreadyParked)
+    other = queue.park(server, key, entry, **{**args, "token": "tok2"})  # a redelivery (another token)
+    assert isinstance(other, queue.AlreadyParked)
+
+
+def test_a_fence_left_from_an_earlier_hand_off_is_not_taken_by_a_later_wait_of_the_same_entry(server):
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="tok1")
+    server.release(holder)  # the fence waits in its wake-up list; nobody reads it
+    server.client.delete(key)  # (an operator's release)
+    server.acquire(key, 5, owner_id="another")
+    entry = _park(server, key, "w1", block=5.0, token="tok2", again=True)  # its call, sent again, parks
+    assert queue.wait_in_slot(server, key, entry, 0.01, "tok2") == queue.PARKED
 
 
 def test_a_retried_release_after_a_direct_hand_over_counts_as_deleted(server):

@@ -193,10 +193,11 @@ def park(
     return int(reply[1]) if status == 1 else 0
 
 
-WOKEN, PARKED, SENT = 2, 1, 0
-"""What :func:`wait_in_slot` returns: the key is reserved for it (claim it now); it is parked (its message
-goes when its turn comes); or its turn came as a message already (or it left the line): the delivery ends.
-Or a :class:`Handed`."""
+LAPSED, WOKEN, PARKED, SENT = 3, 2, 1, 0
+"""What :func:`wait_in_slot` returns: the key was made its own but that lock ran out before it learnt so
+(a stopped process: send the call again); the key is reserved for it (claim it now); it is parked (its
+message goes when its turn comes); or its turn came as a message already (or it left the line): the
+delivery ends. Or a :class:`Handed`."""
 
 
 @dataclass(frozen=True)
@@ -207,13 +208,14 @@ class Handed:
     fence: int
 
 
-def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> int | Handed:
+def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float, token: str = "") -> int | Handed:
     """Wait in the worker slot for the hand-off of a task parked with ``block``, up to ``seconds``.
 
     The hot-key fast path: a release wakes the waiter through its wake-up list in the same round trip
     that hands it the key, and it runs at once, with no message through the broker. Past ``seconds``
     it stops waiting there (one script decides, atomically, against a hand-off landing meanwhile).
-    A wake-up missed (a read cut short) is found there too: the waiter's slot mark says it was handed.
+    A hand-off whose wake-up was missed (not read in time, or its reply lost) is found there too, from
+    the lock's value (``token``, the one it parked with) or, once that lock is gone, its tombstone.
     """
     key = slot_safe(name)
     try:
@@ -224,8 +226,10 @@ def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> i
     if woken:
         value = woken[1] if isinstance(woken[1], str) else woken[1].decode()  # (a decode_responses client)
         return WOKEN if value == "1" else Handed(int(value))
-    reply = server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry,))
-    return Handed(int(reply[1])) if isinstance(reply, list) else int(reply)
+    reply = server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry, token))
+    if isinstance(reply, list):
+        return Handed(int(reply[1])) if int(reply[0]) == 3 else LAPSED
+    return int(reply)
 
 
 def leave(server: LockBackend, name: str, entry: str) -> bool:

@@ -32,7 +32,10 @@ if ARGV[10] == '1' then
   if into then return {4, '', into} end
 end
 if ARGV[8] ~= '1' and redis.call('HEXISTS', WAITERS, ARGV[1]) == 1 then
-  return {2, (redis.call('LPOS', LINE, ARGV[1]) or -1) + 1}
+  local place = (redis.call('LPOS', LINE, ARGV[1]) or -1) + 1
+  -- this very call sent again (its reply lost): its mark carries its token; it waits in its slot
+  if (ARGV[12] or '') ~= '' and redis.call('GET', LOCK .. ':b:' .. ARGV[1]) == ARGV[12] then return {1, place} end
+  return {2, place}
 end
 local held = redis.call('GET', LOCK)
 if ARGV[8] == '1' and held and string.sub(held, 1, #ARGV[1] + 2) == '~' .. ARGV[1] .. ' ' then
@@ -69,6 +72,7 @@ if (ARGV[11] or '0') ~= '0' then
   state = 'b'
   local mark = ARGV[12] or ''
   redis.call('SET', LOCK .. ':b:' .. ARGV[1], mark ~= '' and mark or '1', 'PX', ARGV[11])
+  redis.call('DEL', LOCK .. ':wake:' .. ARGV[1])  -- (a fence left from an earlier hand-off is not this one's)
 end
 local rec = ARGV[2] .. state .. '\\n' .. string.format('%.0f', now + wait) .. '\\n'
   .. ARGV[4] .. '\\n' .. ARGV[5] .. '\\n' .. ARGV[6]
@@ -143,15 +147,23 @@ return out
 """
 
 UNBLOCK = _KEYS + """
--- ARGV[1] entry id: a task that waited in its worker slot stops waiting there (see PARK's ARGV[11]).
--- Returns 1 parked now (its message is sent when its turn comes), 2 it was woken: the key is
--- reserved for it, claim it now, 0 it was handed the key as a message (or left the line): this
--- delivery ends; {3, fence}: the key was made its own (PARK's ARGV[12]), its wake-up missed.
-local mark = redis.call('GET', LOCK .. ':b:' .. ARGV[1])
+-- ARGV[1] entry id, ARGV[2] the token it parked with ('' none): a task that waited in its worker
+-- slot stops waiting there (see PARK's ARGV[11]). Returns 1 parked now (its message is sent when
+-- its turn comes), 2 it was woken: the key is reserved for it, claim it now, 0 it was handed the
+-- key as a message (or left the line): this delivery ends. With a token: {3, fence} the key was
+-- made its own (its wake-up not read, or its reply lost); {4} it was, and that lock is gone since.
 redis.call('DEL', LOCK .. ':b:' .. ARGV[1])
-if mark and string.sub(mark, 1, 1) == '=' then return {3, string.sub(mark, 2)} end
+local woke = redis.call('LPOP', LOCK .. ':wake:' .. ARGV[1])
+if woke and woke ~= '1' then return {3, woke} end
+local token = ARGV[2] or ''
+local held = token ~= '' and redis.call('GET', LOCK)
+if held and string.sub(held, 1, #token + 1) == token .. ' ' then return {3, string.match(held, '^%S+ (%d+)')} end
 local rec = redis.call('HGET', WAITERS, ARGV[1])
-if not rec then return 0 end
+if not rec then
+  local left = token ~= '' and redis.call('ZSCORE', LOCK .. ':g', ARGV[1])
+  if left and tonumber(left) % 1 ~= 0 then return {4} end     -- a direct hand-off's tombstone
+  return 0
+end
 local state = string.sub(rec, 2, 2)
 if state == 'b' then
   redis.call('HSET', WAITERS, ARGV[1], string.sub(rec, 1, 1) .. 'p' .. string.sub(rec, 3))

@@ -23,12 +23,14 @@ local function clock()
 end
 -- A waiter leaves for good (it ran, timed out, gave up, was dropped): its record
 -- goes, and a tombstone in LOCK:g says so for ten minutes, so a process that
--- remembers the entry tells "it left" from "it was lost with the data".
-local function gone(e)
+-- remembers the entry tells "it left" from "it was lost with the data". A slot
+-- waiter made the key's owner (direct) gets a score of now + 0.5 ms: UNBLOCK tells
+-- "it was handed the key" from "it was timed out or revoked" by that half.
+local function gone(e, direct)
   redis.call('HDEL', WAITERS, e)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('ZADD', LOCK .. ':g', now, e)
+  redis.call('ZADD', LOCK .. ':g', direct and now + 0.5 or now, e)
   redis.call('ZREMRANGEBYSCORE', LOCK .. ':g', '-inf', now - 600000)
   redis.call('PEXPIRE', LOCK .. ':g', 600000)
 end
@@ -77,16 +79,16 @@ local function hand_off(now, drop_owner, out)
       local mark = state == 'b' and redis.call('GET', LOCK .. ':b:' .. e)
       if mark and mark ~= '1' then
         -- a task waiting in its worker slot that left its token and metadata in its mark
-        -- ("<token> <meta>"): the key is its own from here, as its claim would make it, and
-        -- the mark says so ('=' .. fence) while the lock may live, should its wake-up be missed
+        -- ("<token> <meta>"): the key is its own from here, as its claim would make it
+        -- (out of the line, a tombstone flagged direct), and it is woken with the fence
         local token, meta = string.match(mark, '^(%S+) (.*)$')
         if handed_by ~= '' then meta = string.sub(meta, 1, -2) .. ',"by":"' .. handed_by .. '"}' end
         redis.call('LPOP', LINE)
-        gone(e)
+        gone(e, true)
+        redis.call('DEL', LOCK .. ':b:' .. e)
         local t = redis.call('TIME')
         local fence = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
         redis.call('SET', LOCK, holding(token, fence, meta), 'PX', ttl)
-        redis.call('SET', LOCK .. ':b:' .. e, '=' .. fence, 'PX', ttl + 60000)
         redis.call('RPUSH', LOCK .. ':wake:' .. e, fence)
         redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
       else
