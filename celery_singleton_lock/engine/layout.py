@@ -19,9 +19,9 @@ every key below lives in K's hash slot and no script touches two slots):
     ``p`` plain code blocked in ``held(..., wait=...)`` (woken through
     ``K:wake:<entry>``); state ``p`` parked, ``b`` a task still waiting in its
     worker slot while ``K:b:<entry>`` lives (``lock_wait_in_slot``; its value ``"<token>
-    <metadata>"``: a hand-off makes the key that task's own, takes it out of the line and
-    wakes it with the fence, and the mark becomes ``"=<fence>"`` for a TTL and a minute, in
-    case that wake-up is missed; an older worker's mark is ``1``), ``w`` such a
+    <metadata>"``: a hand-off makes the key that task's own, takes it out of the line (its
+    tombstone's score then ends in half a millisecond) and wakes it with the fence; an older
+    worker's mark is ``1``), ``w`` such a
     task woken there through ``K:wake:<entry>`` (mark ``1``: the key reserved for it; no
     message is sent unless the reservation runs out), ``h`` handed the key (its
     message not yet known to be sent: the reservation lasts one lock TTL, then
