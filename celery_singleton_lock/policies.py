@@ -77,16 +77,25 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     # replicas must acknowledge the lock first: its claim waits for them (ACQUIRE, replicated)
     token = secrets.token_hex(16) if block and not getattr(server, "min_replicas", 0) else ""
     sent = time.monotonic()
-    place = queue.park(
-        server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
-        owner_id=request.id, message=message, first=first,
-        again=(request.headers or {}).get(ENTRY) == entry,
-        redelivered=bool((request.delivery_info or {}).get("redelivered")),
-        # a redelivery under "coalesce" parks, unless it was merged already: then it stays merged
-        merge=action is Action.COALESCE or (action is Action.PARK and settings.on_duplicate == "coalesce"),
-        block=block,
-        token=token,
-    )
+    try:
+        place = queue.park(
+            server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
+            owner_id=request.id, message=message, first=first,
+            again=(request.headers or {}).get(ENTRY) == entry,
+            # (a re-send of a redelivery, or of a slot waiter unsure of its fate, says so: REDELIVERED)
+            redelivered=bool((request.delivery_info or {}).get("redelivered")
+                             or (request.headers or {}).get(REDELIVERED)),
+            # a redelivery under "coalesce" parks, unless it was merged already: then it stays merged
+            merge=action is Action.COALESCE or (action is Action.PARK and settings.on_duplicate == "coalesce"),
+            block=block,
+            token=token,
+        )
+    except LockError as exc:
+        if not token:
+            raise
+        # it may have parked with its token (the reply lost): its copy, sent with it, sorts that out
+        _slot_again(task, request, args, kwargs, settings, server, token, f"parking it failed ({exc})")
+        return None
     if not place:
         return None
     if place == queue.CLAIM:  # its turn came while it looked: the key is reserved for this copy
@@ -187,13 +196,20 @@ def _handed(task: Any, request: Any, args: Any, kwargs: Any, settings: config.Lo
     return None
 
 
-def _slot_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
+def _slot_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockBackend,
                 token: str, why: str) -> None:
-    """A slot waiter that cannot run now and may have been handed the key: its call is sent again,
-    carrying its token (the copy takes the key back if it is still held under it; else it parks, or
-    finds its entry parked already), as when Redis is unreachable. Returns only in eager mode."""
-    unreachable(task, request, args, kwargs, settings, token, LockBackendUnavailable(server.url, why))
-    return None
+    """A slot waiter that cannot run now and may have been handed the key: its call is sent again, as
+    when Redis is unreachable (``lock_max_retries`` counts it), carrying its token, and marked as a
+    redelivery of the same call. The copy takes the key back if it is still held under that token;
+    it is dropped if its entry's turn came as a message meanwhile (its tombstone) or the call already
+    succeeded; else it waits in line, or finds its entry waiting there already. Returns only in eager mode."""
+    exc = LockBackendUnavailable(server.url, why)
+    attempt = _count(request, UNREACHABLE)
+    if attempt >= settings.max_retries:
+        raise exc
+    logger.warning("task %s[%s]: %s; sent again (attempt %d of %d)", task.name, request.id, why, attempt + 1,
+                   settings.max_retries)
+    _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, why, exc, token, redelivered=True)
 
 
 def _claim(server: LockBackend, request: Any, key: str, entry: str, settings: config.LockSettings) -> Lock:

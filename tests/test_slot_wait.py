@@ -240,3 +240,53 @@ def test_a_copy_whose_turn_came_while_it_looked_claims_instead_of_parking_again(
     got = server.acquire(key, 5, owner_id="w1", entry=entry)
     assert isinstance(got, Lock)
     got.release()
+
+
+def test_a_park_sent_again_after_the_key_was_made_its_own_reads_its_wake_up(server):
+    """PARK ran, its reply was lost, a release made the key the waiter's own, then the PARK was sent
+    again: it is told to wait (the fence is in its wake-up list), and the entry is not parked a second
+    time (its own release would otherwise hand it the key again: a second run)."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="tok1")
+    server.release(holder)
+    assert _park(server, key, "w1", block=5.0, token="tok1") == entry  # (asserts a truthy place)
+    assert queue.line(server, key) == [] and _state(server, key, entry) == ""
+    got = queue.wait_in_slot(server, key, entry, 1.0, "tok1")
+    assert isinstance(got, queue.Handed) and server.client.get(key).startswith(b"tok1 ")
+
+
+def test_another_delivery_of_a_slot_waiter_makes_it_an_ordinary_parked_task(server):
+    """A copy of a slot waiter (sent again: another token) finds its entry still marked with the first
+    delivery's token: that mark goes, so the release sends the entry's message instead of making a
+    token nobody waits with any more the key's owner."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="tokA")
+    again = queue.park(server, key, entry, kind="t", wait=30, ttl=5, owner_id="w1", message=b"m", block=5.0,
+                       token="tokB")
+    assert isinstance(again, queue.AlreadyParked)
+    assert not server.client.exists(layout.blocking(key, entry))
+    released = server.release(holder)
+    assert [(h.what, h.entry) for h in released.handoffs] == [("run", entry)]
+
+
+def test_a_redelivery_of_a_task_made_the_owner_in_its_slot_waits_rather_than_being_dropped(server):
+    """A slot waiter made the key's owner ran in its own delivery; its worker died (acks_late): the
+    broker's redelivery must not take the tombstone for "its turn's copy ran it". A turn taken by a
+    message's claim still is."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="tok1")
+    server.release(holder)  # the key is w1's (its holder then died, the lock still held)
+    again = queue.park(server, key, entry, kind="s", wait=30, ttl=5, owner_id="w1", message=b"m", first=True,
+                       redelivered=True)
+    assert again == 1
+    other = _key()
+    holder = server.acquire(other, 5, owner_id="holder")
+    entry = _park(server, other, "w2")
+    server.release(holder)
+    claimed = server.acquire(other, 5, owner_id="w2", entry=entry)  # its turn's message claimed it
+    assert isinstance(claimed, Lock)
+    assert queue.park(server, other, entry, kind="t", wait=30, ttl=5, owner_id="w2", message=b"m",
+                      redelivered=True) == queue.TOOK_ITS_TURN

@@ -25,19 +25,31 @@ PARK = _KEYS + """
 -- {2, place (0: out of line, its copy on its way)} when the entry is parked
 -- already (a task's entry id comes from its task id: a redelivery of a parked
 -- message must not park it twice), else {1, place in line}.
-if ARGV[9] == '1' and ARGV[8] ~= '1' and redis.call('ZSCORE', LOCK .. ':g', ARGV[1]) then return {3} end
+if ARGV[9] == '1' and ARGV[8] ~= '1' then
+  -- its turn was taken already; a tombstone of half a millisecond is a slot waiter made the key's
+  -- owner in its slot: no copy ran it, and its holder may have died (this redelivery then waits)
+  local left = redis.call('ZSCORE', LOCK .. ':g', ARGV[1])
+  if left and tonumber(left) % 1 == 0 then return {3} end
+end
 if ARGV[10] == '1' then
   -- a redelivery of a call merged already: it stays merged (its waiter's run covers it, or did)
   local into = redis.call('GET', LOCK .. ':mo:' .. ARGV[5])
   if into then return {4, '', into} end
 end
+local mine = (ARGV[12] or '') ~= '' and string.match(ARGV[12], '^%S+')  -- the token it would hold
 if ARGV[8] ~= '1' and redis.call('HEXISTS', WAITERS, ARGV[1]) == 1 then
   local place = (redis.call('LPOS', LINE, ARGV[1]) or -1) + 1
+  local mark = redis.call('GET', LOCK .. ':b:' .. ARGV[1])
   -- this very call sent again (its reply lost): its mark carries its token; it waits in its slot
-  if (ARGV[12] or '') ~= '' and redis.call('GET', LOCK .. ':b:' .. ARGV[1]) == ARGV[12] then return {1, place} end
+  if mine and mark == ARGV[12] then return {1, place} end
+  -- another delivery of it waits in a slot no longer (it was sent again): the entry becomes an
+  -- ordinary parked one, whose message goes in its turn, rather than made a token's that nobody holds
+  if mark and mark ~= '1' then redis.call('DEL', LOCK .. ':b:' .. ARGV[1]) end
   return {2, place}
 end
 local held = redis.call('GET', LOCK)
+-- this very call sent again after the key was made its own: it reads its wake-up (nothing touched)
+if mine and held and string.sub(held, 1, #mine + 1) == mine .. ' ' then return {1, 1} end
 if ARGV[8] == '1' and held and string.sub(held, 1, #ARGV[1] + 2) == '~' .. ARGV[1] .. ' ' then
   -- the entry's own copy, and the key was handed to it since it looked: it claims it (parking
   -- again would leave the key reserved for nobody who waits for it)
