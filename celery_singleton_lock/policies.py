@@ -17,9 +17,11 @@ from celery import states
 from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Retry, TaskRevokedError
 from celery.result import EagerResult
+from redis.exceptions import RedisError
 
 from . import config, handoff
 from .decide import Action
+from .engine import layout
 from .engine import line as queue
 from .engine import sweeper as sweeping
 from .engine.lock import Done, Holder, Lock, Verdict
@@ -32,7 +34,7 @@ from .exceptions import (
     LockWaitTimeout,
     SelfDeadlock,
 )
-from .headers import BACKOFF, ENTRY, MARKED, REDELIVERED, TOKEN, UNREACHABLE
+from .headers import BACKOFF, ENTRY, MARKED, REDELIVERED, SLOT, TOKEN, UNREACHABLE
 from .signals import duplicate_coalesced, duplicate_skipped
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -82,9 +84,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
             server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
             owner_id=request.id, message=message, first=first,
             again=(request.headers or {}).get(ENTRY) == entry,
-            # (a re-send of a redelivery, or of a slot waiter unsure of its fate, says so: REDELIVERED)
-            redelivered=bool((request.delivery_info or {}).get("redelivered")
-                             or (request.headers or {}).get(REDELIVERED)),
+            redelivered=bool((request.delivery_info or {}).get("redelivered")),
             # a redelivery under "coalesce" parks, unless it was merged already: then it stays merged
             merge=action is Action.COALESCE or (action is Action.PARK and settings.on_duplicate == "coalesce"),
             block=block,
@@ -94,7 +94,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         if not token:
             raise
         # it may have parked with its token (the reply lost): its copy, sent with it, sorts that out
-        _slot_again(task, request, args, kwargs, settings, server, token, f"parking it failed ({exc})")
+        _slot_again(task, request, args, kwargs, settings, server, token, entry, f"parking it failed ({exc})")
         return None
     if not place:
         return None
@@ -116,16 +116,16 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         try:
             got = _in_slot(server, request, key, entry, settings, token)
         except LockError as exc:  # (with a token) it may have been made the key's owner: sent again with it
-            _slot_again(task, request, args, kwargs, settings, server, token,
+            _slot_again(task, request, args, kwargs, settings, server, token, entry,
                         f"waiting in its worker slot failed ({exc}); whether it was handed the key is unknown")
             return None
         if got == queue.LAPSED:
-            _slot_again(task, request, args, kwargs, settings, server, token,
+            _slot_again(task, request, args, kwargs, settings, server, token, entry,
                         "it was handed the key while it waited in its worker slot, and that lock ran out "
                         "before it learnt so (the process was stopped or starved)")
             return None
         if isinstance(got, queue.Handed):
-            return _handed(task, request, args, kwargs, settings, server, key, token, got.fence, sent)
+            return _handed(task, request, args, kwargs, settings, server, key, entry, token, got.fence, sent)
         if isinstance(got, Lock):
             return got
     own = holder_id == request.id
@@ -172,7 +172,7 @@ def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: c
 
 
 def _handed(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
-            key: str, token: str, fence: int, sent: float) -> Lock | None:
+            key: str, entry: str, token: str, fence: int, sent: float) -> Lock | None:
     """The key made this waiter's own while it waited in its slot: its Lock, its lease counted from
     when it parked (the hand-off came after that, so the lease is never thought longer than it is).
 
@@ -190,26 +190,43 @@ def _handed(task: Any, request: Any, args: Any, kwargs: Any, settings: config.Lo
         why = "it had run out by then"
     except LockError as exc:  # (its token goes with the call: the copy takes it back if it is still held)
         why = f"it could not be confirmed ({exc})"
-    _slot_again(task, request, args, kwargs, settings, server, token,
+    _slot_again(task, request, args, kwargs, settings, server, token, entry,
                 f"the key was handed to it while it waited in its worker slot, {late:.2f}s after it parked "
                 f"(more than a third of the lock's ttl of {settings.ttl:g}s), and {why}")
     return None
 
 
 def _slot_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockBackend,
-                token: str, why: str) -> None:
+                token: str, entry: str, why: str) -> None:
     """A slot waiter that cannot run now and may have been handed the key: its call is sent again, as
-    when Redis is unreachable (``lock_max_retries`` counts it), carrying its token, and marked as a
-    redelivery of the same call. The copy takes the key back if it is still held under that token;
-    it is dropped if its entry's turn came as a message meanwhile (its tombstone) or the call already
-    succeeded; else it waits in line, or finds its entry waiting there already. Returns only in eager mode."""
+    when Redis is unreachable (``lock_max_retries`` counts it), carrying its token (the copy takes the
+    key back if it is still held under it) and its entry (:func:`slot_copy`). Returns only in eager mode."""
     exc = LockBackendUnavailable(server.url, why)
     attempt = _count(request, UNREACHABLE)
     if attempt >= settings.max_retries:
         raise exc
     logger.warning("task %s[%s]: %s; sent again (attempt %d of %d)", task.name, request.id, why, attempt + 1,
                    settings.max_retries)
-    _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, why, exc, token, redelivered=True)
+    _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, why, exc, token, slot=entry)
+
+
+def slot_copy(task: Any, request: Any, server: LockServer, key: str, entry: str) -> None:
+    """The copy :func:`_slot_again` sent, before it tries the key: it ends (Ignore) if its entry still
+    waits in the line (that entry's turn runs the call) or its turn's message copy took the key (an
+    entry's tombstone of whole milliseconds); it goes on if the entry was made the key's owner in its
+    slot (half a millisecond: nobody ran it) or is unknown."""
+    try:
+        waiting, left = server.plain(("HEXISTS", layout.waiters(key), entry), ("ZSCORE", layout.gone(key), entry))
+    except RedisError as exc:
+        raise server.error(exc, key) from exc
+    if isinstance(waiting, Exception) or isinstance(left, Exception):
+        return
+    if waiting:
+        logger.info("task %s[%s]: its entry still waits in line for lock %s: this copy ends", task.name,
+                    request.id, key)
+        raise Ignore(f"its entry waits in line for lock {key}")
+    if left is not None and float(left) % 1 == 0:
+        refuse(task, Action.DROP, request, task.lock_settings(), key, Verdict.ENTRY_GONE)
 
 
 def _claim(server: LockBackend, request: Any, key: str, entry: str, settings: config.LockSettings) -> Lock:
@@ -306,17 +323,19 @@ def unreachable(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
 
 def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, counter: str,
                 attempt: int, reason: str, exc: Exception, token: str | None = None,
-                redelivered: bool = False) -> None:
+                redelivered: bool = False, slot: str = "") -> None:
     delay = _delay(settings, attempt)
     if request.is_eager:
         setattr(request, counter, attempt + 1)
         time.sleep(delay)
         return
-    kept = (UNREACHABLE, BACKOFF, TOKEN, REDELIVERED, MARKED)
+    kept = (UNREACHABLE, BACKOFF, TOKEN, REDELIVERED, MARKED, SLOT)
     headers = {k: v for k, v in (request.headers or {}).items() if k in kept}
     headers[counter] = attempt + 1
     if redelivered:
         headers[REDELIVERED] = "1"
+    if slot:
+        headers[SLOT] = slot
     if token:
         headers[TOKEN] = token
     sig = task.signature_from_request(request, args, kwargs, countdown=delay, retries=request.retries)

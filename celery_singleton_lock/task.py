@@ -41,7 +41,7 @@ from .engine import reentry
 from .engine.lock import Done, Holder, Lock, Verdict
 from .engine.server import LockBackend, LockServer
 from .exceptions import LockBackendUnavailable, LockError, LockWaitTimeout
-from .headers import ENTRY, EXPIRED, MARKED, REDELIVERED, TOKEN
+from .headers import ENTRY, EXPIRED, MARKED, REDELIVERED, SLOT, TOKEN
 from .headers import PREFIX as HEADER_PREFIX
 from .signals import lock_acquired, lock_lost
 from .watchdog.process import get_watchdog
@@ -209,6 +209,8 @@ class LockedTask(Task):
             if settings.on_duplicate == "coalesce":
                 coalescing.fail_all(self, server, key, task_id, expired)
             raise expired
+        if headers.get(SLOT) and isinstance(server, LockServer):  # a slot waiter's re-send: did its entry run?
+            policies.slot_copy(self, request, server, key, headers[SLOT])
         resent = bool(headers.get(REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
         redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
         entry = headers.get(ENTRY) or None

@@ -290,3 +290,58 @@ def test_a_redelivery_of_a_task_made_the_owner_in_its_slot_waits_rather_than_bei
     assert isinstance(claimed, Lock)
     assert queue.park(server, other, entry, kind="t", wait=30, ttl=5, owner_id="w2", message=b"m",
                       redelivered=True) == queue.TOOK_ITS_TURN
+
+
+def test_a_slot_waiters_copy_sent_again_ends_if_its_entry_waits_or_its_turn_ran(app):
+    """A slot waiter unsure of its fate sends its call again with its entry (SLOT): before trying the
+    key, the copy ends if that entry still waits in line (its turn runs the call) or its turn's message
+    copy took the key (a whole-millisecond tombstone), and goes on if it was made the key's owner in
+    its slot (half a millisecond: nobody ran it) or the entry is unknown."""
+    from celery.exceptions import Ignore
+
+    from celery_singleton_lock import LockedTask
+    from celery_singleton_lock.policies import slot_copy
+
+    @app.task(base=LockedTask, bind=True, on_duplicate="retry", lock_wait_in_slot=1.0)
+    def job(self, n):
+        return n
+
+    server = job.lock_server()
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    waiting = _park(server, key, "w1")
+    with pytest.raises(Ignore):
+        slot_copy(job, job.request, server, key, waiting)
+    ran = _park(server, key, "w2")
+    assert server.release(holder).handoffs  # w1's turn
+    got = server.acquire(key, 5, owner_id="w1", entry=waiting)
+    server.release(got)  # w2's turn
+    assert isinstance(server.acquire(key, 5, owner_id="w2", entry=ran), Lock)  # its message copy took it
+    with pytest.raises(Ignore):
+        slot_copy(job, job.request, server, key, ran)
+    other = _key()
+    holder = server.acquire(other, 5, owner_id="holder")
+    direct = _park(server, other, "w3", block=5.0, token="tok3")
+    server.release(holder)  # made w3's own in its slot
+    slot_copy(job, job.request, server, other, direct)  # goes on (nothing raised)
+    slot_copy(job, job.request, server, other, queue.entry_for("nobody"))
+
+
+def test_a_redelivery_of_a_task_running_after_a_direct_hand_over_waits_as_its_copy(server):
+    """An acks_late redelivery of a slot waiter that was made the owner and still runs: it parks as a
+    copy of the running task (kind "s"), dropped when that run succeeds, so it never runs twice; once
+    the run succeeded (its done record), a redelivery is told its turn was taken."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="tok1")
+    server.release(holder)
+    got = queue.wait_in_slot(server, key, entry, 1.0, "tok1")
+    running = Lock(server, key, "tok1", got.fence, 5, "w1")
+    assert queue.park(server, key, entry, kind="t", wait=30, ttl=5, owner_id="w1", message=b"m",
+                      redelivered=True) == 1
+    assert layout.Waiter.parse(server.client.hget(layout.waiters(key), entry)).kind == "s"
+    released = server.release(running, succeeded=True, remember=60)
+    assert released.status == 1 and released.handoffs == ()  # the copy was dropped, nothing handed
+    assert queue.line(server, key) == []
+    assert queue.park(server, key, entry, kind="t", wait=30, ttl=5, owner_id="w1", message=b"m",
+                      redelivered=True) == queue.TOOK_ITS_TURN

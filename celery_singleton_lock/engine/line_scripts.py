@@ -25,11 +25,17 @@ PARK = _KEYS + """
 -- {2, place (0: out of line, its copy on its way)} when the entry is parked
 -- already (a task's entry id comes from its task id: a redelivery of a parked
 -- message must not park it twice), else {1, place in line}.
+local kind, first = ARGV[2], ARGV[7]
 if ARGV[9] == '1' and ARGV[8] ~= '1' then
-  -- its turn was taken already; a tombstone of half a millisecond is a slot waiter made the key's
-  -- owner in its slot: no copy ran it, and its holder may have died (this redelivery then waits)
+  -- its turn was taken already: {3}. A tombstone of half a millisecond is a slot waiter made the
+  -- key's owner in its slot: no copy ran it. Still holding the key, it may yet die: this redelivery
+  -- waits as a copy of the running task (dropped when it succeeds); if it succeeded: {3}; if it
+  -- died and its lock ran out, this redelivery runs it
   local left = redis.call('ZSCORE', LOCK .. ':g', ARGV[1])
-  if left and tonumber(left) % 1 == 0 then return {3} end
+  if left and (tonumber(left) % 1 == 0 or redis.call('ZSCORE', DONE, ARGV[5])) then return {3} end
+  local held = left and redis.call('GET', LOCK)
+  local meta = held and string.match(held, '^%S+ %d+ (.*)$')
+  if meta and cjson.decode(meta).owner == ARGV[5] then kind, first = 's', '1' end
 end
 if ARGV[10] == '1' then
   -- a redelivery of a call merged already: it stays merged (its waiter's run covers it, or did)
@@ -86,12 +92,12 @@ if (ARGV[11] or '0') ~= '0' then
   redis.call('SET', LOCK .. ':b:' .. ARGV[1], mark ~= '' and mark or '1', 'PX', ARGV[11])
   redis.call('DEL', LOCK .. ':wake:' .. ARGV[1])  -- (a fence left from an earlier hand-off is not this one's)
 end
-local rec = ARGV[2] .. state .. '\\n' .. string.format('%.0f', now + wait) .. '\\n'
+local rec = kind .. state .. '\\n' .. string.format('%.0f', now + wait) .. '\\n'
   .. ARGV[4] .. '\\n' .. ARGV[5] .. '\\n' .. ARGV[6]
 redis.call('HSET', WAITERS, ARGV[1], rec)
 redis.call('LREM', LINE, 1, ARGV[1])
 local place = 1
-if ARGV[7] == '1' then
+if first == '1' then
   redis.call('LPUSH', LINE, ARGV[1])
 else
   place = redis.call('RPUSH', LINE, ARGV[1])
