@@ -24,7 +24,7 @@ from .decide import Action
 from .engine import layout
 from .engine import line as queue
 from .engine import sweeper as sweeping
-from .engine.lock import Done, Holder, Lock, Verdict
+from .engine.lock import Done, Holder, Lock, Verdict, slot_safe
 from .engine.server import LockBackend, LockServer
 from .exceptions import (
     DuplicateTask,
@@ -210,23 +210,32 @@ def _slot_again(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
     _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, why, exc, token, slot=entry)
 
 
-def slot_copy(task: Any, request: Any, server: LockServer, key: str, entry: str) -> None:
-    """The copy :func:`_slot_again` sent, before it tries the key: it ends (Ignore) if its entry still
-    waits in the line (that entry's turn runs the call) or its turn's message copy took the key (an
-    entry's tombstone of whole milliseconds); it goes on if the entry was made the key's owner in its
-    slot (half a millisecond: nobody ran it) or is unknown."""
+def slot_copy(task: Any, request: Any, server: LockServer, key: str, entry: str, token: str) -> None:
+    """The copy :func:`_slot_again` sent, before it tries the key. First its entry's wait in the slot is
+    ended for good (UNBLOCK, with the token it parked with), so the key is never made the owner of a
+    wait nobody is in. Then: made the key's owner (its lock still held, or gone since) -> it goes on
+    (its token takes the key back); still in the line -> it ends (Ignore: its turn runs the call); its
+    turn's message copy took the key (an entry's tombstone of whole milliseconds) -> dropped; unknown
+    (it never parked) -> it goes on."""
+    got = queue.stop_waiting(server, key, entry, token)
+    if isinstance(got, queue.Handed) or got == queue.LAPSED:
+        return
+    if got in (queue.PARKED, queue.WOKEN):
+        _slot_copy_ends(task, request, key)
+    name = slot_safe(key)
     try:
-        waiting, left = server.plain(("HEXISTS", layout.waiters(key), entry), ("ZSCORE", layout.gone(key), entry))
+        waiting, left = server.plain(("HEXISTS", layout.waiters(name), entry), ("ZSCORE", layout.gone(name), entry))
     except RedisError as exc:
         raise server.error(exc, key) from exc
-    if isinstance(waiting, Exception) or isinstance(left, Exception):
-        return
-    if waiting:
-        logger.info("task %s[%s]: its entry still waits in line for lock %s: this copy ends", task.name,
-                    request.id, key)
-        raise Ignore(f"its entry waits in line for lock {key}")
-    if left is not None and float(left) % 1 == 0:
+    if waiting is True or waiting == 1:
+        _slot_copy_ends(task, request, key)
+    if left is not None and not isinstance(left, Exception) and float(left) % 1 == 0:
         refuse(task, Action.DROP, request, task.lock_settings(), key, Verdict.ENTRY_GONE)
+
+
+def _slot_copy_ends(task: Any, request: Any, key: str) -> NoReturn:
+    logger.info("task %s[%s]: its entry still waits in line for lock %s: this copy ends", task.name, request.id, key)
+    raise Ignore(f"its entry waits in line for lock {key}")
 
 
 def _claim(server: LockBackend, request: Any, key: str, entry: str, settings: config.LockSettings) -> Lock:

@@ -210,7 +210,7 @@ class LockedTask(Task):
                 coalescing.fail_all(self, server, key, task_id, expired)
             raise expired
         if headers.get(SLOT) and isinstance(server, LockServer):  # a slot waiter's re-send: did its entry run?
-            policies.slot_copy(self, request, server, key, headers[SLOT])
+            policies.slot_copy(self, request, server, key, headers[SLOT], headers.get(TOKEN) or "")
         resent = bool(headers.get(REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
         redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
         entry = headers.get(ENTRY) or None

@@ -311,20 +311,29 @@ def test_a_slot_waiters_copy_sent_again_ends_if_its_entry_waits_or_its_turn_ran(
     holder = server.acquire(key, 5, owner_id="holder")
     waiting = _park(server, key, "w1")
     with pytest.raises(Ignore):
-        slot_copy(job, job.request, server, key, waiting)
+        slot_copy(job, job.request, server, key, waiting, "")
     ran = _park(server, key, "w2")
     assert server.release(holder).handoffs  # w1's turn
     got = server.acquire(key, 5, owner_id="w1", entry=waiting)
     server.release(got)  # w2's turn
     assert isinstance(server.acquire(key, 5, owner_id="w2", entry=ran), Lock)  # its message copy took it
     with pytest.raises(Ignore):
-        slot_copy(job, job.request, server, key, ran)
+        slot_copy(job, job.request, server, key, ran, "")
     other = _key()
     holder = server.acquire(other, 5, owner_id="holder")
     direct = _park(server, other, "w3", block=5.0, token="tok3")
     server.release(holder)  # made w3's own in its slot
-    slot_copy(job, job.request, server, other, direct)  # goes on (nothing raised)
-    slot_copy(job, job.request, server, other, queue.entry_for("nobody"))
+    slot_copy(job, job.request, server, other, direct, "tok3")  # goes on (nothing raised)
+    slot_copy(job, job.request, server, other, queue.entry_for("nobody"), "")
+    # its first delivery still marked as waiting in its slot (it parked, its reply was lost, and it sent
+    # its call again at once): the copy ends that wait, so the release sends the entry's message rather
+    # than make its token, which nobody waits with, the key's owner; a key without a hash tag too
+    plain = f"slot-plain-{uuid.uuid4().hex}"
+    holder = server.acquire(plain, 5, owner_id="holder")
+    marked = _park(server, plain, "w4", block=5.0, token="tok4")
+    with pytest.raises(Ignore):
+        slot_copy(job, job.request, server, plain, marked, "tok4")
+    assert [(h.what, h.entry) for h in server.release(holder).handoffs] == [("run", marked)]
 
 
 def test_a_redelivery_of_a_task_running_after_a_direct_hand_over_waits_as_its_copy(server):

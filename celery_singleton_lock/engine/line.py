@@ -226,6 +226,14 @@ def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float, toke
     if woken:
         value = woken[1] if isinstance(woken[1], str) else woken[1].decode()  # (a decode_responses client)
         return WOKEN if value == "1" else Handed(int(value))
+    return stop_waiting(server, name, entry, token)
+
+
+def stop_waiting(server: LockServer, name: str, entry: str, token: str = "") -> int | Handed:
+    """End ``entry``'s wait in its worker slot, atomically against a hand-off (UNBLOCK): what
+    :func:`wait_in_slot` returns. Safe to repeat; also how a copy of that task, sent again, makes sure
+    nobody is made the key's owner for a wait that no longer happens."""
+    key = slot_safe(name)
     reply = server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry, token))
     if isinstance(reply, list):
         return Handed(int(reply[1])) if int(reply[0]) == 3 else LAPSED
