@@ -12,9 +12,7 @@ So :func:`read` first spins: it tries the socket without blocking, yielding the 
 (another process, Redis itself perhaps, may need it), for up to :data:`SPIN_NS`; only then does it
 sleep until the reply or the connection's timeout. A connection whose replies keep coming later than
 that (a remote Redis) stops spinning for a while (:data:`REST_AFTER`), so a spin never costs more
-than it saves for long. Nor does it spin while every core is taken (:func:`_cores_busy`): a spin then
-holds a core that Redis or another worker process wants, and the hot-key drain (2 nodes x prefork -c 2
-on 2 cores) ran 10-20 % slower with it. Our replies are small and of few shapes, parsed here (RESP2 and RESP3).
+than it saves for long. Our replies are small and of few shapes, parsed here (RESP2 and RESP3).
 
 Only the replies asked for are read, so the connection's own buffer stays empty and redis-py can go
 on using it; a RESP3 push nobody asked for is dropped. Errors come out as redis-py's would: a
@@ -119,12 +117,10 @@ def _dropped(conn: Any, exc: BaseException, doing: str) -> BaseException:
 def _read(conn: Any, sock: socket.socket, n: int) -> tuple[list[Any], list[Any]]:
     """Spin (unless this connection rests), then sleep until ``n`` whole replies are in."""
     rest = getattr(conn, "_csl_rest", 0)
-    data = None
+    data = _spin(sock.fileno()) if rest <= 0 else None
     if rest > 0:
         conn._csl_rest = rest - 1
-    elif _cores_busy():
-        pass  # sleep at once; neither a hit nor a miss of this connection's spin
-    elif (data := _spin(sock.fileno())) is None:  # the spin missed: count it
+    elif data is None:  # the spin missed: count it
         conn._csl_misses = misses = getattr(conn, "_csl_misses", 0) + 1
         if misses >= REST_AFTER:
             conn._csl_rest, conn._csl_misses = REST_FOR, 0
@@ -178,41 +174,6 @@ def _spin(fd: int) -> bytes | None:
             if time.perf_counter_ns() > deadline:
                 return None
             os.sched_yield()
-
-
-_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-_loadavg: int | None = None
-_loadavg_pid = 0
-
-
-def _cores_busy() -> bool:
-    """Whether every core this process may use has a runnable thread besides the caller: the kernel's
-    count of running threads (the 4th field of /proc/loadavg, "running/all"; a pread of about 2 µs)
-    is at least the cores + 1. Without /proc (not Linux), never."""
-    global _loadavg, _loadavg_pid
-    if _loadavg is None or _loadavg_pid != os.getpid():  # (its own after a fork: reads of one are serialised)
-        if _loadavg is not None and _loadavg >= 0:
-            os.close(_loadavg)  # (the parent's copy; the parent keeps its own)
-        _loadavg_pid = os.getpid()
-        try:
-            _loadavg = os.open("/proc/loadavg", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            _loadavg = -1
-    if _loadavg < 0:
-        return False
-    try:
-        running = running_threads(os.pread(_loadavg, 128, 0))
-    except OSError:
-        return False
-    return running is not None and running > _CORES
-
-
-def running_threads(loadavg: bytes) -> int | None:
-    """The running-thread count of a /proc/loadavg line (``b"0.52 0.58 0.59 3/467 12345"`` -> 3)."""
-    try:
-        return int(loadavg.split()[3].split(b"/")[0])
-    except (IndexError, ValueError):
-        return None
 
 
 def _where(conn: Any) -> str:
