@@ -425,12 +425,14 @@ def drain(cluster: HotCluster, variant: str, n: int, body_s: float, cap: float,
     seen: set[int] = set()
     attempts: dict[int, int] = {}
     if variant in ("ours", "ours-slot"):
-        for w in cmds:
-            if w[0].upper() == "EVALSHA" and w[1] == PARK_SHA and len(w) > 11 and w[11] in ids:
-                s = ids[w[11]]
-                if s not in seen:
-                    seen.add(s)
-                    order.append(s)
+        # each waiter's place: its last PARK that is not a copy's re-park at the head (again: ARGV[8], w[14]).
+        # A PARK that found the key free and nobody waiting (it then takes it, or parks again) held no place.
+        placed: dict[int, int] = {}
+        for i, w in enumerate(cmds):
+            if w[0].upper() == "EVALSHA" and w[1] == PARK_SHA and len(w) > 14 and w[11] in ids and w[14] != "1":
+                placed[ids[w[11]]] = i
+        order = sorted(placed, key=placed.__getitem__)
+        seen = set(order)
         # ours: those that parked (its duplicate_skipped record); ours-slot: every PARK, a slot wait too
         waiters = {ids[t] for t in rec.parks if t in ids} if variant == "ours" else seen
     elif variant == "plain":  # no lock: nobody waits

@@ -577,7 +577,9 @@ def render_hot(hot: dict[str, Any]) -> str:
             f"Worker publishes = messages the workers sent to the broker "
             f"(hand-offs, back-off re-sends, …), beside the client's own {first['n']:,}. Duplicates = tasks that "
             f"found the key held. Order = share of waiters whose body started in the order they reached the lock "
-            f"(the order Redis ran their first command, from MONITOR; longest in-order run). Slot-seconds = worker "
+            f"(from MONITOR, longest in-order run: for ours, the order Redis gave them their place in the line, "
+            f"their last PARK but a copy's re-park at the head (a PARK that found the key free gave none); for "
+            f"the others, the order Redis ran their first attempt). Slot-seconds = worker "
             f"slot time spent waiting for the lock.)\n\n"
             + _table(["variant", "wall s", "bodies/s sustained", "bodies/s over the wall",
                       "worker publishes (why)", "duplicates",
