@@ -17,14 +17,12 @@ from celery import states
 from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Retry, TaskRevokedError
 from celery.result import EagerResult
-from redis.exceptions import RedisError
 
 from . import config, handoff
 from .decide import Action
-from .engine import layout
 from .engine import line as queue
 from .engine import sweeper as sweeping
-from .engine.lock import Done, Holder, Lock, Verdict, slot_safe
+from .engine.lock import Done, Holder, Lock, Verdict
 from .engine.server import LockBackend, LockServer
 from .exceptions import (
     DuplicateTask,
@@ -159,13 +157,10 @@ def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: c
             raise
         logger.warning("lock %s: task %s stops waiting in its slot (%s); parked", key, request.id, exc)
         return None
-    if isinstance(got, queue.Handed):
+    if isinstance(got, queue.Handed) or got == queue.WOKEN:
+        taken = got if isinstance(got, queue.Handed) else _claim(server, request, key, entry, settings)
         sweeping.get_sweeper().forget(server, key, entry)  # (its turn came here: nothing to recover)
-        return got
-    if got == queue.WOKEN:
-        lock = _claim(server, request, key, entry, settings)
-        sweeping.get_sweeper().forget(server, key, entry)  # (its turn came here: nothing to recover)
-        return lock
+        return taken
     if got == queue.SENT:
         raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot: the copy runs it")
     return queue.LAPSED if got == queue.LAPSED else None
@@ -211,31 +206,17 @@ def _slot_again(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
 
 
 def slot_copy(task: Any, request: Any, server: LockServer, key: str, entry: str, token: str) -> None:
-    """The copy :func:`_slot_again` sent, before it tries the key. First its entry's wait in the slot is
-    ended for good (UNBLOCK, with the token it parked with), so the key is never made the owner of a
-    wait nobody is in. Then: made the key's owner (its lock still held, or gone since) -> it goes on
-    (its token takes the key back); still in the line -> it ends (Ignore: its turn runs the call); its
-    turn's message copy took the key (an entry's tombstone of whole milliseconds) -> dropped; unknown
-    (it never parked) -> it goes on."""
+    """The copy :func:`_slot_again` sent, before it tries the key: its entry's wait in the slot is ended
+    for good (UNBLOCK, with the token it parked with, in one round trip), so the key is never made the
+    owner of a wait nobody is in. Made the key's owner (its lock still held, or gone since), or unknown
+    (it never parked) -> it goes on (its token takes the key back if it is still held); in the line,
+    its turn sent, or taken by that turn's copy -> it ends (Ignore): that entry runs the call, or ran it."""
     got = queue.stop_waiting(server, key, entry, token)
-    if isinstance(got, queue.Handed) or got == queue.LAPSED:
+    if isinstance(got, queue.Handed) or got in (queue.LAPSED, queue.UNKNOWN):
         return
-    if got in (queue.PARKED, queue.WOKEN):
-        _slot_copy_ends(task, request, key)
-    name = slot_safe(key)
-    try:
-        waiting, left = server.plain(("HEXISTS", layout.waiters(name), entry), ("ZSCORE", layout.gone(name), entry))
-    except RedisError as exc:
-        raise server.error(exc, key) from exc
-    if waiting is True or waiting == 1:
-        _slot_copy_ends(task, request, key)
-    if left is not None and not isinstance(left, Exception) and float(left) % 1 == 0:
-        refuse(task, Action.DROP, request, task.lock_settings(), key, Verdict.ENTRY_GONE)
-
-
-def _slot_copy_ends(task: Any, request: Any, key: str) -> NoReturn:
-    logger.info("task %s[%s]: its entry still waits in line for lock %s: this copy ends", task.name, request.id, key)
-    raise Ignore(f"its entry waits in line for lock {key}")
+    logger.info("task %s[%s]: its entry in the line of lock %s runs the call (or ran it): this copy ends",
+                task.name, request.id, key)
+    raise Ignore(f"its entry in the line of lock {key} runs the call")
 
 
 def _claim(server: LockBackend, request: Any, key: str, entry: str, settings: config.LockSettings) -> Lock:

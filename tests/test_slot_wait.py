@@ -324,7 +324,8 @@ def test_a_slot_waiters_copy_sent_again_ends_if_its_entry_waits_or_its_turn_ran(
     direct = _park(server, other, "w3", block=5.0, token="tok3")
     server.release(holder)  # made w3's own in its slot
     slot_copy(job, job.request, server, other, direct, "tok3")  # goes on (nothing raised)
-    slot_copy(job, job.request, server, other, queue.entry_for("nobody"), "")
+    slot_copy(job, job.request, server, other, queue.entry_for("nobody"), "")  # never parked: goes on
+    assert queue.stop_waiting(server, other, queue.entry_for("nobody")) == queue.UNKNOWN
     # its first delivery still marked as waiting in its slot (it parked, its reply was lost, and it sent
     # its call again at once): the copy ends that wait, so the release sends the entry's message rather
     # than make its token, which nobody waits with, the key's owner; a key without a hash tag too

@@ -193,11 +193,12 @@ def park(
     return int(reply[1]) if status == 1 else 0
 
 
-LAPSED, WOKEN, PARKED, SENT = 3, 2, 1, 0
+LAPSED, WOKEN, PARKED, SENT, UNKNOWN = 3, 2, 1, 0, -1
 """What :func:`wait_in_slot` returns: the key was made its own but that lock ran out before it learnt so
 (a stopped process: send the call again); the key is reserved for it (claim it now); it is parked (its
 message goes when its turn comes); or its turn came as a message already (or it left the line): the
-delivery ends. Or a :class:`Handed`."""
+delivery ends; or neither its record nor its tombstone is there (it never parked, or the data was
+lost: the sweeper of the process that parked it sends it again). Or a :class:`Handed`."""
 
 
 @dataclass(frozen=True)

@@ -168,8 +168,9 @@ UNBLOCK = _KEYS + """
 -- ARGV[1] entry id, ARGV[2] the token it parked with ('' none): a task that waited in its worker
 -- slot stops waiting there (see PARK's ARGV[11]). Returns 1 parked now (its message is sent when
 -- its turn comes), 2 it was woken: the key is reserved for it, claim it now, 0 it was handed the
--- key as a message (or left the line): this delivery ends. With a token: {3, fence} the key was
--- made its own (its wake-up not read, or its reply lost); {4} it was, and that lock is gone since.
+-- key as a message (or left the line): this delivery ends; -1 no record and no tombstone (never
+-- parked, or lost with the data). With a token: {3, fence} the key was made its own (its wake-up
+-- not read, or its reply lost); {4} it was, and that lock is gone since.
 redis.call('DEL', LOCK .. ':b:' .. ARGV[1])
 local woke = redis.call('LPOP', LOCK .. ':wake:' .. ARGV[1])
 if woke and woke ~= '1' then return {3, woke} end
@@ -178,9 +179,9 @@ local held = token ~= '' and redis.call('GET', LOCK)
 if held and string.sub(held, 1, #token + 1) == token .. ' ' then return {3, string.match(held, '^%S+ (%d+)')} end
 local rec = redis.call('HGET', WAITERS, ARGV[1])
 if not rec then
-  local left = token ~= '' and redis.call('ZSCORE', LOCK .. ':g', ARGV[1])
-  if left and tonumber(left) % 1 ~= 0 then return {4} end     -- a direct hand-off's tombstone
-  return 0
+  local left = redis.call('ZSCORE', LOCK .. ':g', ARGV[1])
+  if left and token ~= '' and tonumber(left) % 1 ~= 0 then return {4} end  -- a direct hand-off's tombstone
+  return left and 0 or -1
 end
 local state = string.sub(rec, 2, 2)
 if state == 'b' then

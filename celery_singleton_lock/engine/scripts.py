@@ -21,6 +21,10 @@ local function clock()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
 end
+-- a new holder's fencing token: the server clock in microseconds (a raw TIME reply)
+local function fence_of(t)
+  return string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
+end
 -- A waiter leaves for good (it ran, timed out, gave up, was dropped): its record
 -- goes, and a tombstone in LOCK:g says so for ten minutes, so a process that
 -- remembers the entry tells "it left" from "it was lost with the data". A slot
@@ -86,8 +90,7 @@ local function hand_off(now, drop_owner, out)
         redis.call('LPOP', LINE)
         gone(e, true)
         redis.call('DEL', LOCK .. ':b:' .. e)
-        local t = redis.call('TIME')
-        local fence = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
+        local fence = fence_of(redis.call('TIME'))
         redis.call('SET', LOCK, holding(token, fence, meta), 'PX', ttl)
         redis.call('RPUSH', LOCK .. ':wake:' .. e, fence)
         redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
@@ -180,7 +183,7 @@ if entry ~= '' then
   gone(entry)
   redis.call('LREM', LINE, 1, entry)
 end
-local fence = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
+local fence = fence_of(t)
 redis.call('SET', LOCK, holding(ARGV[1], fence, ARGV[2]), 'PX', ARGV[3])
 return {1, fence}
 """
