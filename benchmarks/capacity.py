@@ -53,6 +53,7 @@ end
 return 0
 """
 CLUSTER_SHARDS = (1, 3, 6, 12)
+POOL = 4096  # distinct tasks per client process, packed before the window (see _client)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -136,12 +137,18 @@ def _client(variant: str, port: int, conns: int, shas: dict[str, str], start: fl
     """One client process: ``conns`` connections, each running tasks back to back; counts the tasks
     whose release came back within [start, stop)."""
     socks = [_Conn(port) for _ in range(conns)]
+    # Every task's bytes are packed before the window, so that both variants' clients do the same
+    # (least) work per task: a client that packs more would send fewer tasks a second to the server
+    # it shares the cores with, and a server that reads fewer commands per wake-up spends more of its
+    # CPU per task on the wake-ups: the figure would charge the server for the client's packing.
+    # A key is used again only POOL tasks later, long after its release deleted it.
+    pool = [_commands(variant, shas, tag, n) for n in range(POOL)]
     i = 0
     done = 0
     unexpected = 0
     pending = []
     for _ in socks:
-        pending.append(_commands(variant, shas, tag, i))
+        pending.append(pool[i % POOL])
         i += 1
     step = [0] * conns  # 0: acquire next, 1: release next
     while True:
@@ -161,7 +168,7 @@ def _client(variant: str, port: int, conns: int, shas: dict[str, str], start: fl
                 step[c] = 0
                 if now >= start:
                     done += 1
-                pending[c] = _commands(variant, shas, tag, i)
+                pending[c] = pool[i % POOL]
                 i += 1
     out.put((done, unexpected))
 
@@ -204,7 +211,57 @@ def measure(port: int, pid: int, variant: str, shas: dict[str, str], procs: int,
     }
 
 
-def run(seconds: float, rounds: int, procs: int, conns: int, warmup: float) -> dict[str, Any]:
+def instructions(variant: str, tasks: int = 2000, warmup: int = 300) -> float | None:
+    """The server's instructions per task (user space), counted by callgrind: a redis-server of its
+    own under valgrind, one connection running ``tasks`` tasks back to back after ``warmup`` more.
+    Unlike CPU seconds, the count is the same from run to run whatever else the machine does, so it
+    shows the work a variant makes the server do apart from the noise; the kernel's share (the
+    socket reads and writes, the same two round trips per task for both) is not in it. None where
+    valgrind is not installed."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    import redis
+
+    from celery_singleton_lock.engine import fresh
+    from celery_singleton_lock.testing.servers import RedisServer
+
+    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+        return None
+    out = tempfile.mkdtemp(prefix="csl-callgrind-")
+
+    class Counted(RedisServer):
+        def args(self) -> list[str]:
+            return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.%p", *super().args()]
+
+    with Counted().start(timeout=120) as server:
+        client = redis.Redis(port=server.port)
+        shas = {"release": client.script_load(fresh.RELEASE_FRESH), "cookbook": client.script_load(COOKBOOK_RELEASE)}
+        conn = _Conn(server.port)
+
+        def run_tasks(count: int, tag: str) -> None:
+            for i in range(count):
+                acquire, release = _commands(variant, shas, tag, i)
+                conn.sock.sendall(acquire)
+                for _ in range(1 if variant == "cookbook" else 2):
+                    conn.reply()
+                conn.sock.sendall(release)
+                if conn.reply() != 1:
+                    raise RuntimeError(f"{variant}: a release was not a delete")
+
+        run_tasks(warmup, "warm")
+        pid = str(server.pid)
+        subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True, timeout=60)
+        run_tasks(tasks, "count")
+        subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True, timeout=60)
+    dump = Path(out) / f"cg.{pid}.1"
+    total = next(int(line.split()[1]) for line in dump.read_text().splitlines() if line.startswith("summary:"))
+    shutil.rmtree(out, ignore_errors=True)
+    return total / tasks
+
+
+def run(seconds: float, rounds: int, procs: int, conns: int, warmup: float, counted: int = 2000) -> dict[str, Any]:
     import redis
 
     from celery_singleton_lock.engine import fresh
@@ -239,6 +296,10 @@ def run(seconds: float, rounds: int, procs: int, conns: int, warmup: float) -> d
     ratios = [a["per_core"] / b["per_core"] for a, b in zip(
         (w for w in windows if w["variant"] == "ours"), (w for w in windows if w["variant"] == "cookbook"),
         strict=False)]
+    for v in VARIANTS:
+        per[v]["instructions"] = instructions(v, counted, warmup=min(300, counted)) if counted else None
+        print(f"  {v}: {per[v]['instructions'] or float('nan'):,.0f} server instructions per task (callgrind)",
+              file=sys.stderr, flush=True)
     return {"variants": per, "ratio": statistics.median(ratios), "ratios": ratios, "windows": windows,
             "seconds": seconds, "rounds": rounds, "procs": procs, "conns": conns, "redis_server": version,
             "cores": os.cpu_count()}
@@ -255,7 +316,8 @@ def render(cap: dict[str, Any], table: Any) -> str:
         cmds = ", ".join(f"{k.upper()} {n:.2f}" for k, n in sorted(d["commands_per_task"].items()))
         rows.append([label, f"{d['per_core']:,.0f} [{d['per_core_min']:,.0f}…{d['per_core_max']:,.0f}]",
                      f"{1e6 / d['per_core']:.1f}", f"{d['rate']:,.0f}", f"{d['busy'] * 100:.0f} %",
-                     f"{d['redis_us_per_task']:.1f}", cmds])
+                     f"{d['redis_us_per_task']:.1f}",
+                     f"{d['instructions']:,.0f}" if d.get("instructions") else "–", cmds])
     ours = cap["variants"]["ours"]["per_core"]
     cluster = ", ".join(f"{n} shard{'s' if n > 1 else ''} ≈ {n * ours:,.0f}/s" for n in CLUSTER_SHARDS)
     return (
@@ -267,13 +329,23 @@ def render(cap: dict[str, Any], table: Any) -> str:
         f"{cap['cores']}-core machine the clients share the cores with the server)\n\n"
         + table(["variant", "locked tasks per Redis core-second, median [min…max]",
                  "server CPU µs per task", "tasks/s reached",
-                 "server busy", "Redis time µs per task (commandstats)", "commands per task (incl. in scripts)"],
+                 "server busy", "Redis time µs per task (commandstats)",
+                 "server instructions per task (callgrind, user space)", "commands per task (incl. in scripts)"],
                 rows)
         + f"\n\nOurs / cookbook per core: {cap['ratio']:.2f} (median of the rounds' ratios: "
-        + ", ".join(f"{r:.2f}" for r in cap["ratios"]) + "). "
-        f"On paper, a Redis Cluster of N masters, one core each, with the keys spread over the slots (every key "
+        + ", ".join(f"{r:.2f}" for r in cap["ratios"]) + "). " + _instructions_line(cap)
+        + f"On paper, a Redis Cluster of N masters, one core each, with the keys spread over the slots (every key "
         f"of one lock shares a slot): {cluster} of ours."
     )
+
+
+def _instructions_line(cap: dict[str, Any]) -> str:
+    o, c = (cap["variants"][v].get("instructions") for v in VARIANTS)
+    if not (o and c):
+        return ""
+    return (f"Counted by callgrind (within a fraction of a percent from run to run), ours makes the server run "
+            f"{o / c:.2f}× the cookbook's instructions per task in user space ({o:,.0f} against {c:,.0f}): the "
+            "line's EXISTS, and a longer key and value. ")
 
 
 def goals(cap: dict[str, Any]) -> list[dict[str, Any]]:
@@ -295,8 +367,10 @@ def main() -> int:
     parser.add_argument("--procs", type=int, default=3, help="client processes")
     parser.add_argument("--conns", type=int, default=16, help="connections per client process")
     parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--counted", type=int, default=2000,
+                        help="tasks per variant whose server instructions callgrind counts (0: none)")
     args = parser.parse_args()
-    result = run(args.seconds, args.rounds, args.procs, args.conns, args.warmup)
+    result = run(args.seconds, args.rounds, args.procs, args.conns, args.warmup, args.counted)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

@@ -105,7 +105,7 @@ FULL = dict(
     backlog_prefetch=(4, 1),
     plain_procs=8, plain_rounds=20, plain_hold=0.002,
     fp_n=20000, fp_waits=(30.0, 120.0), fp_window=60.0,
-    cap_seconds=6.0, cap_rounds=3, cap_procs=3, cap_conns=16,
+    cap_seconds=6.0, cap_rounds=3, cap_procs=3, cap_conns=16, cap_counted=2000,
     etcd_ops=2000, etcd_locks=10_000, etcd_handoffs=200,
 )
 SMOKE = dict(
@@ -121,7 +121,7 @@ SMOKE = dict(
     backlog_prefetch=(4,),
     plain_procs=4, plain_rounds=2, plain_hold=0.002,
     fp_n=200, fp_waits=(), fp_window=60.0,
-    cap_seconds=1.0, cap_rounds=1, cap_procs=2, cap_conns=4,
+    cap_seconds=1.0, cap_rounds=1, cap_procs=2, cap_conns=4, cap_counted=100,
     etcd_ops=50, etcd_locks=200, etcd_handoffs=20,
 )
 
@@ -379,8 +379,9 @@ def capacity_run(p: dict) -> dict:
     import json
 
     cmd = [sys.executable, str(BENCH_DIR / "capacity.py"), "--seconds", str(p["cap_seconds"]),
-           "--rounds", str(p["cap_rounds"]), "--procs", str(p["cap_procs"]), "--conns", str(p["cap_conns"])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120 + 4 * p["cap_rounds"] * p["cap_seconds"],
+           "--rounds", str(p["cap_rounds"]), "--procs", str(p["cap_procs"]), "--conns", str(p["cap_conns"]),
+           "--counted", str(p["cap_counted"])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240 + 4 * p["cap_rounds"] * p["cap_seconds"],
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCH_DIR)])))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
