@@ -29,7 +29,7 @@ from celery.states import READY_STATES, STARTED, SUCCESS
 from . import handoff
 from .decide import Delivery, Found
 from .engine.lock import Done, Holder, Lock, Verdict
-from .headers import ENTRY, RECOVERED
+from .headers import ENTRY, RECOVERED, SLOT
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -116,6 +116,23 @@ def ran_since_park(task: Any, request: Any) -> bool:
     return parked_at is None or done is None or done >= parked_at - 1.0
 
 
+def slot_entry_ran(task: Any, request: Any, entry: str) -> bool:
+    """A slot waiter's copy sent again (header SLOT) found no trace of ``entry`` in the lock Redis (its
+    data was lost): did the sweeper's copy of that lost park take the call over meanwhile?
+
+    That copy stores STARTED naming the entry when it runs, or WAITING naming it when it parks again;
+    any final state counts too: this copy's own sending stored RETRY, so a final state came after it.
+    Without a backend: False (it runs: a waiter is never lost).
+    """
+    meta = _meta(task, request)
+    if meta is None:
+        return False
+    status, info = meta.get("status"), meta.get("result")
+    if status in (STARTED, "WAITING"):
+        return isinstance(info, dict) and info.get("entry") == entry
+    return status in READY_STATES
+
+
 def _when(value: Any) -> float | None:
     if isinstance(value, str):
         try:
@@ -131,8 +148,10 @@ def _when(value: Any) -> float | None:
 
 def mark_started(task: Any, request: Any, track_started: bool) -> None:
     """STARTED, once the lock is taken: for ``track_started``, and always for a waiting task's copy,
-    naming its entry (what :func:`ran_since_park` reads after a loss of the lock Redis)."""
-    entry = (request.headers or {}).get(ENTRY)
+    naming its entry (what :func:`ran_since_park` and :func:`slot_entry_ran` read after a loss of the
+    lock Redis); a slot waiter's copy sent again names the entry it waited with."""
+    headers = request.headers or {}
+    entry = headers.get(ENTRY) or headers.get(SLOT)
     if not (track_started or entry) or request.is_eager or get_actual_ignore_result(task, request):
         return
     meta: dict[str, Any] = {"pid": os.getpid(), "hostname": request.hostname}

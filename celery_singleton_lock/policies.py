@@ -18,7 +18,7 @@ from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Retry, TaskRevokedError
 from celery.result import EagerResult
 
-from . import config, handoff
+from . import config, handoff, identity
 from .decide import Action
 from .engine import line as queue
 from .engine import sweeper as sweeping
@@ -210,9 +210,13 @@ def slot_copy(task: Any, request: Any, server: LockServer, key: str, entry: str,
     for good (UNBLOCK, with the token it parked with, in one round trip), so the key is never made the
     owner of a wait nobody is in. Made the key's owner (its lock still held, or gone since), or unknown
     (it never parked) -> it goes on (its token takes the key back if it is still held); in the line,
-    its turn sent, or taken by that turn's copy -> it ends (Ignore): that entry runs the call, or ran it."""
+    its turn sent, or taken by that turn's copy -> it ends (Ignore): that entry runs the call, or ran it.
+    Unknown because the lock Redis lost its data: the sweeper of the process that parked it sends that
+    park again too; the result backend tells whether that copy took the call over (then this one ends)."""
     got = queue.stop_waiting(server, key, entry, token)
-    if isinstance(got, queue.Handed) or got in (queue.LAPSED, queue.UNKNOWN):
+    if isinstance(got, queue.Handed) or got == queue.LAPSED:
+        return
+    if got == queue.UNKNOWN and not identity.slot_entry_ran(task, request, entry):
         return
     logger.info("task %s[%s]: its entry in the line of lock %s runs the call (or ran it): this copy ends",
                 task.name, request.id, key)

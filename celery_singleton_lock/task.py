@@ -209,8 +209,12 @@ class LockedTask(Task):
             if settings.on_duplicate == "coalesce":
                 coalescing.fail_all(self, server, key, task_id, expired)
             raise expired
-        if headers.get(SLOT) and isinstance(server, LockServer):  # a slot waiter's re-send: did its entry run?
-            policies.slot_copy(self, request, server, key, headers[SLOT], headers.get(TOKEN) or "")
+        while headers.get(SLOT) and isinstance(server, LockServer):  # a slot waiter's re-send: did its entry run?
+            try:
+                policies.slot_copy(self, request, server, key, headers[SLOT], headers.get(TOKEN) or "")
+                break
+            except LockBackendUnavailable as exc:  # sent again, as when the acquire cannot reach Redis
+                policies.unreachable(self, request, args, kwargs, settings, headers.get(TOKEN) or "", exc)
         resent = bool(headers.get(REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
         redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
         entry = headers.get(ENTRY) or None
@@ -293,8 +297,9 @@ class LockedTask(Task):
         reentry.register(lock)  # held(..., owner_id=<task id>) in the body re-enters it
         get_watchdog(**settings.watchdog_options).track(lock, partial(_announce_lost, self, request.id))
         lock_acquired.send(sender=self, key=lock.key, task_id=request.id, lock=lock)
-        entry = (request.headers or {}).get(ENTRY)
-        if self.lock_track_started or entry:
+        headers = request.headers or {}
+        entry = headers.get(ENTRY)
+        if self.lock_track_started or entry or headers.get(SLOT):  # (a slot waiter's copy names its entry too)
             identity.mark_started(self, request, self.lock_track_started)
         if entry and settings.on_duplicate == "coalesce":  # the calls merged into this waiter: it covers them
             coalescing.take(lock.server, request, lock.key)

@@ -355,3 +355,31 @@ def test_a_redelivery_of_a_task_running_after_a_direct_hand_over_waits_as_its_co
     assert queue.line(server, key) == []
     assert queue.park(server, key, entry, kind="t", wait=30, ttl=5, owner_id="w1", message=b"m",
                       redelivered=True) == queue.TOOK_ITS_TURN
+
+
+def test_a_hand_off_made_for_another_delivery_of_the_same_entry_is_left_to_it(server):
+    """Two deliveries of one call wait in their slots under the same entry (the lock Redis lost its
+    data, and the sweeper's copy of the lost park parked again in the original's place, with a token of
+    its own). The release makes the key the later one's; the wake-up says whose it is, so the delivery
+    that reads it first but holds another token ends (SENT: the other one runs the call) rather than
+    running beside it, and the rightful one still finds its hand-off when its wait ends, also if the
+    other one's end of the wait (UNBLOCK) popped the wake-up first."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="original")
+    _park(server, key, "w1", block=5.0, token="recovered", again=True)  # the same entry, parked anew
+    server.release(holder)
+    fence = server.holder(key).fencing_token
+    assert server.client.get(key).startswith(b"recovered ")
+    assert queue.wait_in_slot(server, key, entry, 0.5, "original") == queue.SENT
+    assert queue.wait_in_slot(server, key, entry, 0.01, "recovered") == queue.Handed(fence)
+
+    key = _key()  # the same, where the wrong delivery's wait ended (UNBLOCK) while the wake-up was there
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="original")
+    _park(server, key, "w1", block=5.0, token="recovered", again=True)
+    server.release(holder)
+    fence = server.holder(key).fencing_token
+    assert queue.stop_waiting(server, key, entry, "original") == queue.SENT
+    assert server.client.lrange(layout.wake(key, entry), 0, -1) == [f"{fence} recovered".encode()]  # put back
+    assert queue.wait_in_slot(server, key, entry, 1.0, "recovered") == queue.Handed(fence)

@@ -226,7 +226,17 @@ def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float, toke
         logger.warning("lock %s: waiting in the worker slot failed (%s); parked instead", name, exc)
     if woken:
         value = woken[1] if isinstance(woken[1], str) else woken[1].decode()  # (a decode_responses client)
-        return WOKEN if value == "1" else Handed(int(value))
+        if value == "1":
+            return WOKEN
+        fence, _, whose = value.partition(" ")
+        if whose == token:
+            return Handed(int(fence))
+        # the key was made the own of another delivery of this call, which parked in this one's place
+        # since (its copy sent again, or the sweeper's after a loss of the data) and blocks on the same
+        # list: that one runs the call; it finds its hand-off when its own wait ends (UNBLOCK)
+        logger.warning("lock %s: entry %s was handed to another delivery of its task, which waits in its "
+                       "place; this delivery ends", name, entry)
+        return SENT
     return stop_waiting(server, name, entry, token)
 
 

@@ -19,7 +19,7 @@ PARK = _KEYS + """
 -- ARGV[11] ms the task waits in its worker slot ('0' none): state 'b', and LOCK:b:<entry> lives that
 -- long; a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message.
 -- ARGV[12] ('' none) "<token> <metadata>" of the lock it would take: the hand-off then makes the key
--- its own at once (no claim), and the wake-up carries the fence.
+-- its own at once (no claim), and the wake-up carries the fence and that token.
 -- Returns {0} when the key is free and nobody waits (take it instead), {5} when the key is reserved
 -- for this entry (its copy, ARGV[8]: claim it),
 -- {2, place (0: out of line, its copy on its way)} when the entry is parked
@@ -170,11 +170,20 @@ UNBLOCK = _KEYS + """
 -- its turn comes), 2 it was woken: the key is reserved for it, claim it now, 0 it was handed the
 -- key as a message (or left the line): this delivery ends; -1 no record and no tombstone (never
 -- parked, or lost with the data). With a token: {3, fence} the key was made its own (its wake-up
--- not read, or its reply lost); {4} it was, and that lock is gone since.
+-- not read, or its reply lost); {4} it was, and that lock is gone since. 0 too when the key was
+-- made the own of ANOTHER delivery of the same call (sent again, or recovered after a loss of the
+-- data), which parked in this one's place since: that one runs it; its wake-up is put back for it.
 redis.call('DEL', LOCK .. ':b:' .. ARGV[1])
-local woke = redis.call('LPOP', LOCK .. ':wake:' .. ARGV[1])
-if woke and woke ~= '1' then return {3, woke} end
 local token = ARGV[2] or ''
+local wake = LOCK .. ':wake:' .. ARGV[1]
+local woke = redis.call('LPOP', wake)
+if woke and woke ~= '1' then
+  local fence, whose = string.match(woke, '^(%d+) (%S+)$')
+  if whose == token then return {3, fence} end
+  redis.call('LPUSH', wake, woke)
+  redis.call('PEXPIRE', wake, math.max(redis.call('PTTL', LOCK), 1))
+  return 0
+end
 local held = token ~= '' and redis.call('GET', LOCK)
 if held and string.sub(held, 1, #token + 1) == token .. ' ' then return {3, string.match(held, '^%S+ (%d+)')} end
 local rec = redis.call('HGET', WAITERS, ARGV[1])

@@ -84,7 +84,8 @@ local function hand_off(now, drop_owner, out)
       if mark and mark ~= '1' then
         -- a task waiting in its worker slot that left its token and metadata in its mark
         -- ("<token> <meta>"): the key is its own from here, as its claim would make it
-        -- (out of the line, a tombstone flagged direct), and it is woken with the fence
+        -- (out of the line, a tombstone flagged direct), and it is woken with "<fence> <token>"
+        -- (another delivery of the same call may block on the same list: the token says whose)
         local token, meta = string.match(mark, '^(%S+) (.*)$')
         if handed_by ~= '' then meta = string.sub(meta, 1, -2) .. ',"by":"' .. handed_by .. '"}' end
         redis.call('LPOP', LINE)
@@ -92,7 +93,7 @@ local function hand_off(now, drop_owner, out)
         redis.call('DEL', LOCK .. ':b:' .. e)
         local fence = fence_of(redis.call('TIME'))
         redis.call('SET', LOCK, holding(token, fence, meta), 'PX', ttl)
-        redis.call('RPUSH', LOCK .. ':wake:' .. e, fence)
+        redis.call('RPUSH', LOCK .. ':wake:' .. e, fence .. ' ' .. token)
         redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
       else
         local reserved = cjson.encode({owner = owner, reserved = true, by = handed_by})

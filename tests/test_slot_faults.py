@@ -1,0 +1,535 @@
+"""Slot waiters (``lock_wait_in_slot``) under faults, through real prefork workers and a real broker:
+a busy queue, the lock Redis restarted empty while a waiter waits in its slot, and a waiter killed
+right after it was handed the key.
+
+Two worker nodes (prefork, 2 children each) run tests/apps/slot_faults_app.py. Broker and results
+live on one redis-server; the locks on another (so it can restart empty without losing the broker).
+Bodies journal each start and end: the tests count runs per call and check that no two bodies of
+one key overlapped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from _task_support import assert_no_overlap
+
+from celery_singleton_lock.engine import layout, line_scripts
+from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 40
+QUIET = 2.0  # after the last expected run: long enough for a late twin (a re-send, a recovered copy) to run
+
+
+class DropProxy:
+    """A TCP proxy in front of the lock Redis that loses replies on demand: ``arm(pattern, count)``
+    makes the next ``count`` requests containing ``pattern`` reach Redis (which runs them), and the
+    connection that sent each is closed instead of getting the reply (a reply lost on the way back).
+    Everything else goes through as is. Stopped by ``close()`` (its own threads and sockets only)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._armed: dict[bytes, int] = {}
+        self.dropped: list[bytes] = []
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True, name="drop-proxy-accept").start()
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def arm(self, pattern: bytes, count: int) -> None:
+        with self._lock:
+            self._armed[pattern] = count
+
+    def left(self, pattern: bytes) -> int:
+        with self._lock:
+            return self._armed.get(pattern, 0)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:
+                _close(client)
+                continue
+            with self._lock:
+                self._sockets += [client, server]
+            lose = threading.Event()  # set: the next reply on this connection is lost, and it closes
+            threading.Thread(target=self._up, args=(client, server, lose), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, lose), daemon=True).start()
+
+    def _up(self, src: socket.socket, dst: socket.socket, lose: threading.Event) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+                if not data:
+                    break
+                with self._lock:
+                    for pattern, count in self._armed.items():
+                        if count > 0 and pattern in data:
+                            self._armed[pattern] = count - 1
+                            self.dropped.append(pattern)
+                            lose.set()
+                            break
+                dst.sendall(data)
+            except OSError:
+                break
+        _close(src)
+        _close(dst)
+
+    def _down(self, src: socket.socket, dst: socket.socket, lose: threading.Event) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if not data or lose.is_set():
+                break
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        _close(src)
+        _close(dst)
+
+    def close(self) -> None:
+        _close(self._listener)
+        with self._lock:
+            for s in self._sockets:
+                _close(s)
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)  # (close alone waits for a thread blocked in recv on it)
+    except OSError:
+        pass
+    try:
+        s.close()
+    except OSError:
+        pass
+
+
+def sha_of(script: str) -> bytes:
+    return hashlib.sha1(script.encode()).hexdigest().encode()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("slot_faults")
+    with RedisServer() as server, RedisServer() as locks:
+        proxy = DropProxy(locks.port)  # the workers reach the lock Redis through it
+        base = f"redis://127.0.0.1:{server.port}"
+        os.environ["CSL_REDIS_URL_BASE"] = base
+        os.environ["CSL_LOCK_URL"] = proxy.url(2)
+        sys.path.insert(0, str(ROOT / "tests"))
+        try:
+            module = importlib.reload(sys.modules["apps.slot_faults_app"]) if "apps.slot_faults_app" in sys.modules \
+                else importlib.import_module("apps.slot_faults_app")
+        finally:
+            sys.path.remove(str(ROOT / "tests"))
+        workers = [
+            WorkerProcess("apps.slot_faults_app", concurrency=2, cwd=ROOT / "tests", logfile=str(logs / f"w{i}.log"),
+                          env={"CSL_REDIS_URL_BASE": base, "CSL_LOCK_URL": proxy.url(2),
+                               "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}).start()
+            for i in range(2)
+        ]
+        try:
+            for w in workers:
+                w.wait_ready(60)
+            module.server, module.locks, module.workers, module.proxy = server, locks, workers, proxy
+            yield module
+        finally:
+            for w in workers:
+                w.stop()
+            proxy.close()
+            os.environ.pop("CSL_LOCK_URL", None)
+
+
+def _key() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def runs(env, key):
+    return [json.loads(r) for r in env.journal.lrange(f"runs:{key}", 0, -1)]
+
+
+def starts(env, key):
+    return [json.loads(r) for r in env.journal.lrange(f"started:{key}", 0, -1)]
+
+
+def started(env, key, count=1):
+    return wait_until(lambda: len(starts(env, key)) >= count, TIMEOUT, what=f"{count} run(s) of {key} to start")
+
+
+def state_of(result):
+    return result.backend.get_task_meta(result.id, cache=False)["status"]
+
+
+def in_slot(env, task, key, count=1):
+    """At least ``count`` entries of ``key``'s line wait in a worker slot (state 'b')."""
+    lock_key = task.lock_key_for((key,), {})
+    client = env.locks.client(2)
+    try:
+        return sum(layout.Waiter.parse(r).state == "b" for r in client.hvals(layout.waiters(lock_key))) >= count
+    finally:
+        client.close()
+
+
+def once_each(env, key, calls, tags):
+    """Every call ran exactly once (by task id), nothing else ran, and no two bodies overlapped."""
+    done = runs(env, key)
+    by_id = {}
+    for r in done:
+        by_id.setdefault(r["id"], []).append(r)
+    twice = {i: [(r["tag"], r["headers"], r["pid"]) for r in rs] for i, rs in by_id.items() if len(rs) > 1}
+    assert not twice, f"a call ran more than once: {twice}"
+    assert sorted(r["tag"] for r in done) == sorted(tags), done
+    assert set(by_id) == {c.id for c in calls}, done
+    return done
+
+
+def assert_arrival_order(env, key, done, margin=0.05):
+    """The bodies ran in the order their calls were first delivered (each parked, or took the free key,
+    within moments of its first delivery), for calls first delivered more than ``margin`` s apart."""
+    first = {}
+    for d in map(json.loads, env.journal.lrange(f"delivered:{key}", 0, -1)):
+        first.setdefault(d["id"], d["at"])
+    ran = sorted(done, key=lambda r: r["start"])
+    for i, a in enumerate(ran):
+        for b in ran[i + 1:]:
+            assert first[b["id"]] > first[a["id"]] - margin, (
+                f"{b['tag']} (first delivered {first[b['id']]:.3f}) ran after {a['tag']} (first delivered "
+                f"{first[a['id']]:.3f}): out of arrival order: {[r['tag'] for r in ran]}")
+
+
+def quiet_then_check(env, key, count):
+    """No run beyond ``count`` shows up in QUIET seconds (a late twin)."""
+    time.sleep(QUIET)
+    assert len(starts(env, key)) == count, [(s["tag"], s["headers"]) for s in starts(env, key)]
+
+
+# -- 1. a busy queue -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_slot_waiters_under_a_busy_queue_each_run_once_without_overlap(env):
+    """Two hot keys whose duplicates arrive through a queue kept deep with other work (2 nodes x 2
+    children): they wait in their slots, some are handed the key there, some park and come back as
+    turns (or as a short hold's send-ahead). Every call runs once; no two bodies of a key overlap."""
+    keys = [_key() for _ in range(2)]
+    holders = [env.slot.delay(k, 3.0, "holder") for k in keys]
+    for k in keys:
+        started(env, k)
+    fillers = [env.filler.delay(0.1) for _ in range(30)]
+    dups = {k: [] for k in keys}
+    for i in range(6):
+        for k in keys:
+            dups[k].append(env.slot.delay(k, 0.3, f"d{i}"))
+        fillers += [env.filler.delay(0.1) for _ in range(12)]
+    for h in holders:
+        assert h.get(timeout=TIMEOUT)["tag"] == "holder"
+    depth_seen = env.server.client(0).llen("celery")
+    for k in keys:
+        assert [d.get(timeout=TIMEOUT)["tag"] for d in dups[k]] == [f"d{i}" for i in range(6)]
+    for f in fillers:
+        f.get(timeout=TIMEOUT)
+    for k, h in zip(keys, holders, strict=True):
+        done = once_each(env, k, [h, *dups[k]], ["holder", *(f"d{i}" for i in range(6))])
+        assert_no_overlap([(r["start"], r["end"]) for r in done], f"the bodies of {k}")
+    print("\n[slot-faults] busy queue:", {k: [(r["tag"], r["headers"]) for r in runs(env, k)] for k in keys},
+          "queue depth at the end of the holders:", depth_seen)
+    handed_in_slot = sum(1 for k in keys for r in runs(env, k) if r["tag"] != "holder" and not r["headers"])
+    assert handed_in_slot >= 1, "no duplicate ran in its slot: the slot path was not exercised"
+    quiet_then_check(env, keys[0], 7)
+    assert len(starts(env, keys[1])) == 7
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_burst_on_one_hot_key_behind_a_busy_queue_runs_each_call_once_in_turn(env):
+    """More duplicates of one key than there are worker slots, with short bodies, behind and among a
+    backlog: the slot waiters are handed the key one after another, the rest park, and short holds send
+    the next parked one ahead of its turn (to wait in a slot). Every call runs once, none overlap."""
+    k = _key()
+    holder = env.slot.delay(k, 0.5, "holder")
+    started(env, k)
+    fillers = [env.filler.delay(0.05) for _ in range(20)]
+    dups = []
+    for i in range(8):
+        dups.append(env.slot.delay(k, 0.4, f"d{i}"))
+        fillers += [env.filler.delay(0.05) for _ in range(3)]
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert sorted(d.get(timeout=TIMEOUT)["tag"] for d in dups) == sorted(f"d{i}" for i in range(8))
+    for f in fillers:
+        f.get(timeout=TIMEOUT)
+    done = once_each(env, k, [holder, *dups], ["holder", *(f"d{i}" for i in range(8))])
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    print("\n[slot-faults] burst:", [(r["tag"], sorted(r["headers"])) for r in done])
+    print("[slot-faults] deliveries:", [(d["tag"], round(d["at"] % 100, 3), sorted(d["headers"]))
+                                        for d in map(json.loads, env.journal.lrange(f"delivered:{k}", 0, -1))])
+    assert_arrival_order(env, k, done)
+    quiet_then_check(env, k, 9)
+
+
+# -- 2. the lock Redis restarted empty while a waiter waits in its slot ------------------------------
+
+
+def _restart_empty(env, down: float) -> None:
+    env.locks.stop()
+    time.sleep(down)
+    env.locks.start()
+
+
+def _restart_while_in_slot(env, down: float, task=None) -> None:
+    task = task or env.slot_long
+    k = _key()
+    holder = task.delay(k, 3.0, "holder")
+    started(env, k)
+    dup = task.delay(k, 0.3, "dup")
+    wait_until(lambda: in_slot(env, task, k), TIMEOUT, what="the duplicate to wait in its slot")
+    _restart_empty(env, down)
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    try:
+        assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+    finally:
+        print("\n[slot-faults] runs:", [(r["tag"], r["headers"]) for r in runs(env, k)])
+    wait_until(lambda: len(runs(env, k)) >= 2, TIMEOUT, what="both runs to end")
+    # a SLOT re-send (if the waiter's UNBLOCK failed) comes up to 4 s after it: let it arrive and end
+    deadline = time.monotonic() + 6.0
+    while time.monotonic() < deadline and not any(
+            "slot" in d["headers"] for d in map(json.loads, env.journal.lrange(f"delivered:{k}", 0, -1))):
+        time.sleep(0.05)
+    quiet_then_check(env, k, 2)
+    once_each(env, k, [holder, dup], ["holder", "dup"])
+    assert len(runs(env, k)) == 2, runs(env, k)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_lock_redis_restarted_empty_while_a_waiter_waits_in_its_slot_runs_it_once(env):
+    """A quick empty restart (no downtime to speak of): the waiter's BLPOP breaks, its UNBLOCK finds
+    no record (UNKNOWN); its process's sweeper sends the lost park again. It runs once."""
+    _restart_while_in_slot(env, down=0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_lock_redis_down_then_back_empty_while_a_waiter_waits_in_its_slot_runs_it_once(env):
+    """The lock Redis is down for 2 s, then back empty: the waiter cannot end its wait (UNBLOCK fails),
+    so its call is sent again with its slot entry and token (SLOT), and its process's sweeper also
+    sends the lost park again once Redis is back. Each path may run the call: it must run once, and
+    never end FAILURE while the re-send budget (lock_max_retries) is not spent."""
+    _restart_while_in_slot(env, down=2.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_lock_redis_restarted_empty_with_a_slow_slot_resend_runs_the_waiter_once(env):
+    """The lock Redis is down 0.3 s (so the waiter's UNBLOCK fails and its call is sent again with
+    SLOT), then back empty; the waiter's re-send is slower than a sweeper's look (lock_retry_backoff
+    4 s: 2 to 4 s): the sweeper's recovered copy of the lost park comes first and runs the call; the
+    SLOT copy, coming after, must not run it again."""
+    _restart_while_in_slot(env, down=0.3, task=env.slot_slow_resend)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_lock_data_lost_under_a_waiter_still_blocked_in_its_slot_runs_it_once_and_keeps_its_result(env):
+    """The lock Redis loses its data (FLUSHDB of the private lock db: what a restart empty does to the
+    data, without breaking the waiter's BLPOP connection) while a waiter blocks in its slot (5 s). Its
+    process's sweeper sends the lost park again at once and that copy runs the call; the waiter, still
+    in its slot, then ends its wait: its UNBLOCK finds no record (UNKNOWN). The call must run once, and
+    its SUCCESS must stay (a WAITING stored over it would leave result.get() hanging)."""
+    k = _key()
+    holder = env.slot_long.delay(k, 1.0, "holder")
+    started(env, k)
+    dup = env.slot_long.delay(k, 0.3, "dup")
+    wait_until(lambda: in_slot(env, env.slot_long, k), TIMEOUT, what="the duplicate to wait in its slot")
+    waiting_since = time.time()
+    client = env.locks.client(2)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+    once_each(env, k, [holder, dup], ["holder", "dup"])
+    # the original delivery's slot wait (5 s from when it parked) has ended by now, plus a margin
+    time.sleep(max(0.0, waiting_since + 5.0 + 1.0 - time.time()))
+    quiet_then_check(env, k, 2)
+    meta = dup.backend.get_task_meta(dup.id, cache=False)
+    assert meta["status"] == "SUCCESS", f"the finished call's stored state was overwritten: {meta}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_lock_data_lost_then_the_recovered_copy_waits_in_a_slot_beside_the_original_runs_it_once(env):
+    """Default TTL (30 s). A waiter blocks in its slot (5 s); the lock data is lost (FLUSHDB of the
+    private lock db: the waiter's BLPOP connection stays up); a newcomer takes the now free key. The
+    waiter's process sends its lost park again; that recovered copy finds the key held, parks under
+    the SAME entry id (entry_for(task id, retries)) and waits in a slot too, with a token of its own.
+    The newcomer's release then makes the key the recovered copy's and pushes the fence to the shared
+    wake-up list, where the ORIGINAL delivery (blocked there since before the loss, so first in
+    Redis's BLPOP order) reads it. The call must run once, and no two bodies of the key may overlap
+    (its 4 s body outlasts the rest of the recovered copy's slot wait)."""
+    task = env.slot_ttl30
+    k = _key()
+    holder = task.delay(k, 0.5, "holder")
+    started(env, k)
+    dup = task.delay(k, 4.0, "dup")
+    wait_until(lambda: in_slot(env, task, k), TIMEOUT, what="the duplicate to wait in its slot")
+    client = env.locks.client(2)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    newcomer = task.delay(k, 2.0, "newcomer")
+    wait_until(lambda: "newcomer" in [s["tag"] for s in starts(env, k)], TIMEOUT, what="the newcomer to take the key")
+    try:
+        wait_until(lambda: in_slot(env, task, k), TIMEOUT, what="the recovered copy to wait in a slot")
+        assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+        assert newcomer.get(timeout=TIMEOUT)["tag"] == "newcomer"
+        assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+        time.sleep(QUIET + 5.0)  # (the original delivery's slot wait, 5 s, ends meanwhile)
+    finally:
+        print("\n[slot-faults] runs:", [(r["tag"], r["headers"], r["pid"], round(r["start"] % 100, 3),
+                                          round(r["end"] % 100, 3), r["lost"]) for r in runs(env, k)])
+    done = once_each(env, k, [holder, newcomer, dup], ["holder", "newcomer", "dup"])
+    after_loss = [r for r in done if r["tag"] != "holder"]  # (the holder's lock went with the data)
+    assert_no_overlap([(r["start"], r["end"]) for r in after_loss], "the bodies after the loss")
+
+
+# -- 3. a waiter killed right after it was handed the key ---------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_acks_late_waiter_killed_after_the_hand_off_before_its_body_runs_once(env):
+    """acks_late + reject_on_worker_lost: the slot waiter is SIGKILLed right after the release made the
+    key its own (before its body). The key stays held by the dead waiter's token until the TTL; the
+    broker delivers the message again, and it runs once, after the holder; the next waiter runs after
+    it. No call is lost or doubled, no bodies overlap."""
+    k = _key()
+    holder = env.slot_late.delay(k, 1.0, "holder")
+    started(env, k)
+    env.journal.sadd("kill-handed", k)
+    dup = env.slot_late.delay(k, 0.2, "dup")
+    wait_until(lambda: in_slot(env, env.slot_late, k), TIMEOUT, what="the duplicate to wait in its slot")
+    second = env.slot_late.delay(k, 0.2, "second")
+    wait_until(lambda: env.journal.llen(f"killed:{k}") == 1, TIMEOUT, what="the handed waiter to be killed")
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+    assert second.get(timeout=TIMEOUT)["tag"] == "second"
+    done = once_each(env, k, [holder, dup, second], ["holder", "dup", "second"])
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    killed = json.loads(env.journal.lindex(f"killed:{k}", 0))
+    print("\n[slot-faults] killed at", killed["at"], [(r["tag"], r["start"], r["headers"]) for r in done])
+    assert killed["id"] == dup.id
+    [ran] = [r for r in done if r["id"] == dup.id]
+    assert ran["start"] >= killed["at"]  # (its only run came after the kill)
+    quiet_then_check(env, k, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_early_ack_waiter_killed_after_the_hand_off_frees_the_key_for_the_next(env):
+    """Early ack: the killed waiter's call is lost as a Celery task killed mid-run is (documented:
+    WorkerLostError), but the key it was handed is not: it runs out with the TTL and the next waiter
+    runs, once, with no overlap."""
+    from celery.exceptions import WorkerLostError
+
+    k = _key()
+    holder = env.slot.delay(k, 0.5, "holder")
+    started(env, k)
+    env.journal.sadd("kill-handed", k)
+    dup = env.slot.delay(k, 0.2, "dup")
+    wait_until(lambda: in_slot(env, env.slot, k), TIMEOUT, what="the duplicate to wait in its slot")
+    second = env.slot.delay(k, 0.2, "second")
+    wait_until(lambda: env.journal.llen(f"killed:{k}") == 1, TIMEOUT, what="the handed waiter to be killed")
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    with pytest.raises(WorkerLostError):
+        dup.get(timeout=TIMEOUT)
+    assert second.get(timeout=TIMEOUT)["tag"] == "second"
+    done = once_each(env, k, [holder, second], ["holder", "second"])
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    killed = json.loads(env.journal.lindex(f"killed:{k}", 0))
+    [ran] = [r for r in done if r["id"] == second.id]
+    assert ran["start"] >= killed["at"] + 2.0  # the dead waiter's lock ran out first (TTL 3 s)
+
+
+# -- 4. a reply lost at UNBLOCK (and at the wake-up) --------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_unblock_reply_lost_twice_the_slot_copy_ends_and_the_entry_runs_once_in_its_turn(env):
+    """The waiter's slot wait runs out behind a long holder; its UNBLOCK runs in Redis (it is parked
+    now) but the reply is lost, twice (the client's own retry too): it cannot tell whether it was
+    handed the key, so its call is sent again with SLOT. The copy's UNBLOCK says "in line": the copy
+    ends, and the parked entry runs once, in its turn, after the holder."""
+    unblock = sha_of(line_scripts.UNBLOCK)
+    k = _key()
+    holder = env.slot.delay(k, 2.5, "holder")
+    started(env, k)
+    dup = env.slot.delay(k, 0.2, "dup")
+    wait_until(lambda: in_slot(env, env.slot, k), TIMEOUT, what="the duplicate to wait in its slot")
+    env.proxy.arm(unblock, 2)
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert env.proxy.left(unblock) == 0, "the UNBLOCK replies were not lost: the test did not run its fault"
+    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+    done = once_each(env, k, [holder, dup], ["holder", "dup"])
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    [ran] = [r for r in done if r["tag"] == "dup"]
+    assert ran["headers"].get("entry"), ran  # its turn's message ran it (the SLOT copy ended)
+    quiet_then_check(env, k, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_wake_up_and_unblock_replies_lost_the_handed_waiter_runs_once_from_its_slot_copy(env):
+    """The release makes the key the slot waiter's own and pushes its fence; the BLPOP that reads it
+    loses its reply, and so do both tries of the UNBLOCK that follows: the waiter cannot tell it holds
+    the key. Its SLOT copy finds the key held under its token, takes it back, and runs the call: once,
+    with no overlap, and the key is not left held by a token nobody uses (the next call runs)."""
+    unblock = sha_of(line_scripts.UNBLOCK)
+    k = _key()
+    holder = env.slot.delay(k, 0.6, "holder")
+    started(env, k)
+    lock_key = env.slot.lock_key_for((k,), {})
+    env.proxy.arm(layout.wake(lock_key, "").encode(), 1)  # (its BLPOP names its wake-up list)
+    env.proxy.arm(unblock, 2)
+    dup = env.slot.delay(k, 0.2, "dup")
+    wait_until(lambda: in_slot(env, env.slot, k), TIMEOUT, what="the duplicate to wait in its slot")
+    try:
+        assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+        assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+    finally:
+        print("\n[slot-faults] lost replies:", env.proxy.dropped, [(r["tag"], r["headers"]) for r in runs(env, k)])
+    assert env.proxy.left(unblock) == 0, "the UNBLOCK replies were not lost: the test did not run its fault"
+    after = env.slot.delay(k, 0.1, "after")
+    assert after.get(timeout=TIMEOUT)["tag"] == "after"
+    done = once_each(env, k, [holder, dup, after], ["holder", "dup", "after"])
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    [ran] = [r for r in done if r["tag"] == "dup"]
+    assert ran["headers"].get("slot"), ran  # the SLOT copy ran it
+    quiet_then_check(env, k, 3)
