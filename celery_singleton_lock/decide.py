@@ -22,7 +22,7 @@ entry gone, and the task      anyone                                         DRO
 started since it parked                                                      lost park is sent again)
 held by the same task id      eager, and that run is up this call stack      REENTER (Celery's replace())
 held by the same task id      eager, elsewhere                               WAIT_HERE
-held by the same task id      a hand-off or recovered copy                   DROP (it runs already)
+held by the same task id      a hand-off, recovered or slot waiter's copy    DROP (it runs already)
 held by the same task id      a broker redelivery                            PARK_SAME: first in line,
                                                                              dropped if the holder succeeds
 held by the same task id      a fresh message (retry, replace, re-sent)      PARK_FIRST
@@ -100,6 +100,9 @@ class Delivery:
     state stored. Its policy applies as to a fresh delivery."""
     recovered: bool = False
     """Our own copy of a waiting task, sent again after the lock Redis lost its data."""
+    slot_copy: bool = False
+    """Our own copy of a task that waited in its worker slot and could not tell whether it was handed
+    the key (header SLOT): another delivery of the same call holding the key runs it."""
     retry: bool = False
     """The task's own ``self.retry()`` (or autoretry): the continuation of an earlier run."""
     holder_on_stack: bool = False
@@ -130,7 +133,7 @@ def _by_table(found: Found, who: Delivery) -> Action:
     if found is Found.HELD_BY_SELF:
         if who.eager:
             return Action.REENTER if who.holder_on_stack else Action.WAIT_HERE
-        if who.handoff or who.recovered:
+        if who.handoff or who.recovered or who.slot_copy:
             return Action.DROP
         return Action.PARK_SAME if who.redelivered else Action.PARK_FIRST
     # held by another, or free with waiters in line

@@ -9,7 +9,9 @@ that takes the lock):
 
 * a copy sent again after a loss whose waiter entry is gone: did its task start since it first
   parked? (:func:`ran_since_park`; a waiting copy marks its start by storing STARTED with its entry);
-* a redelivery that finds its task succeeded here: was its result stored? (:func:`result_missing`).
+* a redelivery that finds its task succeeded here: was its result stored? (:func:`result_missing`);
+* a slot waiter's call sent again that finds its place gone: did the sweeper's copy of that place
+  take the call over? (:func:`slot_entry_ran`).
 
 Without a result backend (``ignore_result``, or none configured) neither can be told: a copy whose
 entry is gone is run (a waiter is never lost), and a recorded success is only dropped.
@@ -29,7 +31,7 @@ from celery.states import READY_STATES, STARTED, SUCCESS
 from . import handoff
 from .decide import Delivery, Found
 from .engine.lock import Done, Holder, Lock, Verdict
-from .headers import ENTRY, RECOVERED, SLOT
+from .headers import ENTRY, RECOVERED, SLOT, TOKEN
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -45,6 +47,7 @@ def delivery(task: Any, request: Any, policy: str, line: bool, redelivered: bool
         never_ran=not resent and never_ran(task, request, redelivered and entry is None),
         handoff=entry is not None and not headers.get(RECOVERED),
         recovered=bool(headers.get(RECOVERED)),
+        slot_copy=bool(headers.get(SLOT)),
         retry=bool(request.retries),
         line=line,
     )
@@ -105,8 +108,9 @@ def ran_since_park(task: Any, request: Any) -> bool:
     status = meta.get("status")
     entry = (request.headers or {}).get(ENTRY)
     info = meta.get("result")
-    if status == STARTED:
-        return isinstance(info, dict) and entry is not None and info.get("entry") == entry
+    if status == STARTED:  # (a broker redelivery may have stored it itself, and died: not a run then)
+        redelivered = bool((request.delivery_info or {}).get("redelivered"))
+        return not redelivered and isinstance(info, dict) and entry is not None and info.get("entry") == entry
     if status == "WAITING":  # parked again since (another message of it, e.g. its retry): this one ran
         return isinstance(info, dict) and info.get("entry") not in (None, entry)
     if status not in READY_STATES:
@@ -121,15 +125,18 @@ def slot_entry_ran(task: Any, request: Any, entry: str) -> bool:
     data was lost): did the sweeper's copy of that lost park take the call over meanwhile?
 
     That copy stores STARTED naming the entry when it runs, or WAITING naming it when it parks again;
-    any final state counts too: this copy's own sending stored RETRY, so a final state came after it.
-    Without a backend: False (it runs: a waiter is never lost).
+    a STARTED this very copy stored (its token: a broker redelivery of it after its worker died) is not
+    that. Any final state counts too: the sending of this copy stored RETRY, so a final state came
+    after it. Without a backend: False (it runs: a waiter is never lost).
     """
     meta = _meta(task, request)
     if meta is None:
         return False
     status, info = meta.get("status"), meta.get("result")
     if status in (STARTED, "WAITING"):
-        return isinstance(info, dict) and info.get("entry") == entry
+        if not isinstance(info, dict) or info.get("entry") != entry:
+            return False
+        return status == "WAITING" or bool(info.get("slot") != (request.headers or {}).get(TOKEN, ""))
     return status in READY_STATES
 
 
@@ -157,6 +164,8 @@ def mark_started(task: Any, request: Any, track_started: bool) -> None:
     meta: dict[str, Any] = {"pid": os.getpid(), "hostname": request.hostname}
     if entry:
         meta["entry"] = entry
+    if headers.get(SLOT) and not headers.get(ENTRY):  # which copy: a redelivery of it is not the other one
+        meta["slot"] = headers.get(TOKEN) or ""
     task.backend.store_result(request.id, meta, STARTED, request=request)
 
 

@@ -117,6 +117,10 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
             _slot_again(task, request, args, kwargs, settings, server, token, entry,
                         f"waiting in its worker slot failed ({exc}); whether it was handed the key is unknown")
             return None
+        if got == queue.UNKNOWN:  # (its place went with the data: its process's sweeper sends it again)
+            logger.warning("task %s[%s]: its place in the line of lock %s was lost with the lock Redis's data "
+                           "while it waited in its slot; sent again by the sweeper", task.name, request.id, key)
+            raise Ignore(f"its place in the line of lock {key} was lost: the sweeper sends it again")
         if got == queue.LAPSED:
             _slot_again(task, request, args, kwargs, settings, server, token, entry,
                         "it was handed the key while it waited in its worker slot, and that lock ran out "
@@ -148,7 +152,8 @@ def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: c
              token: str) -> Lock | queue.Handed | int | None:
     """``lock_wait_in_slot``: wait for the hand-off in the worker slot, briefly (the hot-key fast path). The
     Lock if it was handed the key meanwhile (Handed: made its own already); None once it is parked as
-    usual; Ignore if its turn came as a message (the copy runs it). A LockError if it parked with
+    usual; LAPSED or UNKNOWN (see :func:`~.engine.line.wait_in_slot`); Ignore if its turn came as a
+    message (the copy runs it) or went to another delivery of the call. A LockError if it parked with
     ``token`` and cannot tell whether the key was made its own (Redis unreachable as the wait ended)."""
     try:
         got = queue.wait_in_slot(server, key, entry, settings.wait_in_slot, token)
@@ -162,8 +167,9 @@ def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: c
         sweeping.get_sweeper().forget(server, key, entry)  # (its turn came here: nothing to recover)
         return taken
     if got == queue.SENT:
-        raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot: the copy runs it")
-    return queue.LAPSED if got == queue.LAPSED else None
+        raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot, or went to "
+                     "another delivery of the call that waits in its place: that one runs it")
+    return got if got in (queue.LAPSED, queue.UNKNOWN) else None
 
 
 def _handed(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
@@ -210,13 +216,15 @@ def slot_copy(task: Any, request: Any, server: LockServer, key: str, entry: str,
     for good (UNBLOCK, with the token it parked with, in one round trip), so the key is never made the
     owner of a wait nobody is in. Made the key's owner (its lock still held, or gone since), or unknown
     (it never parked) -> it goes on (its token takes the key back if it is still held); in the line,
-    its turn sent, or taken by that turn's copy -> it ends (Ignore): that entry runs the call, or ran it.
-    Unknown because the lock Redis lost its data: the sweeper of the process that parked it sends that
-    park again too; the result backend tells whether that copy took the call over (then this one ends)."""
+    its turn sent, taken by that turn's copy, or handed to another delivery of the call that parked in
+    its place -> it ends (Ignore): that entry or delivery runs the call, or ran it. Unknown because the
+    lock Redis lost its data: the sweeper of the process that parked it sends that park again too; the
+    result backend tells whether that copy took the call over (then this one ends), as it does for a
+    gone lock (LAPSED) that may have been the other delivery's."""
     got = queue.stop_waiting(server, key, entry, token)
-    if isinstance(got, queue.Handed) or got == queue.LAPSED:
+    if isinstance(got, queue.Handed):
         return
-    if got == queue.UNKNOWN and not identity.slot_entry_ran(task, request, entry):
+    if got in (queue.LAPSED, queue.UNKNOWN) and not identity.slot_entry_ran(task, request, entry):
         return
     logger.info("task %s[%s]: its entry in the line of lock %s runs the call (or ran it): this copy ends",
                 task.name, request.id, key)

@@ -778,3 +778,34 @@ def test_duplicate_skipped_is_sent_with_each_policy_name(redis_server, run_worke
             dups["raise"].get(timeout=TIMEOUT)
         wait_until(lambda: dups["skip"].state == "REVOKED", TIMEOUT, what="the skipped duplicate to be REVOKED")
     assert [r.task_id for r in runs.of(keys["skip"])] == [holders["skip"].id]  # the redelivered copy never ran
+
+
+def test_after_a_data_loss_each_copy_of_a_waiting_call_counts_only_the_others_start_as_a_run(app):
+    """After the lock Redis lost its data, two copies of one call that waited in its worker slot may each
+    look in the result backend for the other's start: the call the waiter sent again (header SLOT) and
+    the sweeper's recovered copy of its place. A STARTED that a copy stored itself, read by a broker
+    redelivery of it (its worker died mid-body), is not the other's run: counting it would lose the call."""
+    from celery.app.task import Context
+
+    from celery_singleton_lock import LockedTask, identity
+    from celery_singleton_lock.headers import ENTRY, PARKED_AT, RECOVERED, SLOT, TOKEN
+
+    @app.task(base=LockedTask, bind=True)
+    def waiting(self):
+        return None
+
+    task_id, entry = uuid.uuid4().hex, "e1"
+
+    def request(headers, redelivered=False):
+        return Context(id=task_id, headers=headers, delivery_info={"redelivered": redelivered}, is_eager=False)
+
+    slot_copy = {SLOT: entry, TOKEN: "t1"}
+    recovered = {ENTRY: entry, RECOVERED: "1", PARKED_AT: str(time.time() - 5)}
+    identity.mark_started(waiting, request(slot_copy), False)  # the re-sent call starts, then dies
+    assert waiting.backend.get_task_meta(task_id, cache=False)["result"]["slot"] == "t1"
+    assert not identity.slot_entry_ran(waiting, request(slot_copy, redelivered=True), entry)  # its own start
+    assert identity.ran_since_park(waiting, request(recovered))  # the other copy's start: a run
+
+    identity.mark_started(waiting, request(recovered), False)  # the recovered copy starts, then dies
+    assert identity.slot_entry_ran(waiting, request(slot_copy), entry)  # the other copy's start: a run
+    assert not identity.ran_since_park(waiting, request(recovered, redelivered=True))  # (maybe its own start)

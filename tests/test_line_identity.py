@@ -155,7 +155,9 @@ def test_killed_after_the_release_the_redelivery_stores_the_result_and_sends_the
     ).apply_async()
     assert result.get(timeout=TIMEOUT) == ["a", "c"], "the chain's next step was never sent"
     first = result.parent
-    meta = wa.app.backend.get_task_meta(first.id, cache=False)
+    # (Celery sends a chain's next step before it stores the result: the chain can end first)
+    meta = wait_until(lambda: (m := wa.app.backend.get_task_meta(first.id, cache=False))["status"] != "PENDING" and m,
+                      TIMEOUT, what="the redelivery to store the first step's result")
     assert (meta["status"], meta["result"]) == ("SUCCESS", ["a"])
     assert [e["id"] for e in starts(wa, k)] == [first.id], "the body ran again"
     assert "already succeeded but its result was never stored" in n.kill_released.log()

@@ -372,6 +372,8 @@ def test_a_hand_off_made_for_another_delivery_of_the_same_entry_is_left_to_it(se
     fence = server.holder(key).fencing_token
     assert server.client.get(key).startswith(b"recovered ")
     assert queue.wait_in_slot(server, key, entry, 0.5, "original") == queue.SENT
+    assert server.client.lrange(layout.wake(key, entry), 0, -1) == [f"{fence} recovered".encode()]  # put back
+    assert 0 < server.client.pttl(layout.wake(key, entry)) <= server.client.pttl(key)
     assert queue.wait_in_slot(server, key, entry, 0.01, "recovered") == queue.Handed(fence)
 
     key = _key()  # the same, where the wrong delivery's wait ended (UNBLOCK) while the wake-up was there
@@ -383,3 +385,19 @@ def test_a_hand_off_made_for_another_delivery_of_the_same_entry_is_left_to_it(se
     assert queue.stop_waiting(server, key, entry, "original") == queue.SENT
     assert server.client.lrange(layout.wake(key, entry), 0, -1) == [f"{fence} recovered".encode()]  # put back
     assert queue.wait_in_slot(server, key, entry, 1.0, "recovered") == queue.Handed(fence)
+
+
+def test_the_end_of_a_wait_leaves_alone_another_delivery_that_waits_in_its_place(server):
+    """The first delivery's wait ends (UNBLOCK) while the delivery that parked in its place since waits in
+    its slot: the first one ends (SENT), and the other one's wait goes on: the release still hands the
+    key to it in its slot, with no message."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    entry = _park(server, key, "w1", block=5.0, token="original")
+    _park(server, key, "w1", block=5.0, token="recovered", again=True)
+    assert queue.stop_waiting(server, key, entry, "original") == queue.SENT
+    assert _state(server, key, entry) == "b"
+    assert server.client.get(layout.blocking(key, entry)).startswith(b"recovered ")
+    released = server.release(holder)
+    assert released.handoffs == ()  # nothing sent: handed in its slot
+    assert queue.wait_in_slot(server, key, entry, 1.0, "recovered") == queue.Handed(server.holder(key).fencing_token)

@@ -196,9 +196,10 @@ def park(
 LAPSED, WOKEN, PARKED, SENT, UNKNOWN = 3, 2, 1, 0, -1
 """What :func:`wait_in_slot` returns: the key was made its own but that lock ran out before it learnt so
 (a stopped process: send the call again); the key is reserved for it (claim it now); it is parked (its
-message goes when its turn comes); or its turn came as a message already (or it left the line): the
-delivery ends; or neither its record nor its tombstone is there (it never parked, or the data was
-lost: the sweeper of the process that parked it sends it again). Or a :class:`Handed`."""
+message goes when its turn comes); or its turn came as a message already (or it left the line, or
+another delivery of the same call parked in its place and runs it): the delivery ends; or neither its
+record nor its tombstone is there (it never parked, or the data was lost: the sweeper of the process
+that parked it sends it again). Or a :class:`Handed`."""
 
 
 @dataclass(frozen=True)
@@ -233,9 +234,14 @@ def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float, toke
             return Handed(int(fence))
         # the key was made the own of another delivery of this call, which parked in this one's place
         # since (its copy sent again, or the sweeper's after a loss of the data) and blocks on the same
-        # list: that one runs the call; it finds its hand-off when its own wait ends (UNBLOCK)
+        # list: that one runs the call, and its wake-up goes back for it (else it finds its hand-off
+        # only when its own wait ends)
         logger.warning("lock %s: entry %s was handed to another delivery of its task, which waits in its "
                        "place; this delivery ends", name, entry)
+        try:
+            server.run(line_scripts.WAKE_AGAIN, server.keys_for(key), (entry, value))
+        except LockError as exc:
+            logger.warning("lock %s: could not put the wake-up back for it (%s)", name, exc)
         return SENT
     return stop_waiting(server, name, entry, token)
 

@@ -172,10 +172,13 @@ UNBLOCK = _KEYS + """
 -- parked, or lost with the data). With a token: {3, fence} the key was made its own (its wake-up
 -- not read, or its reply lost); {4} it was, and that lock is gone since. 0 too when the key was
 -- made the own of ANOTHER delivery of the same call (sent again, or recovered after a loss of the
--- data), which parked in this one's place since: that one runs it; its wake-up is put back for it.
-redis.call('DEL', LOCK .. ':b:' .. ARGV[1])
+-- data), which parked in this one's place since, or when that one waits there now: it runs the call;
+-- its wake-up and its wait are left alone.
 local token = ARGV[2] or ''
-local wake = LOCK .. ':wake:' .. ARGV[1]
+local mark_key, wake = LOCK .. ':b:' .. ARGV[1], LOCK .. ':wake:' .. ARGV[1]
+local mark = token ~= '' and redis.call('GET', mark_key)
+if mark and mark ~= '1' and string.sub(mark, 1, #token + 1) ~= token .. ' ' then return 0 end
+redis.call('DEL', mark_key)
 local woke = redis.call('LPOP', wake)
 if woke and woke ~= '1' then
   local fence, whose = string.match(woke, '^(%d+) (%S+)$')
@@ -199,6 +202,16 @@ if state == 'b' then
 end
 if state == 'w' then return 2 end
 return 0
+"""
+
+WAKE_AGAIN = _KEYS + """
+-- ARGV[1] entry id, ARGV[2] a wake-up ("<fence> <token>") read by a delivery it was not made for:
+-- put back at the head of the list for the delivery it names, which blocks on the same list, to
+-- live as long as the lock it speaks of.
+local wake = LOCK .. ':wake:' .. ARGV[1]
+redis.call('LPUSH', wake, ARGV[2])
+redis.call('PEXPIRE', wake, math.max(redis.call('PTTL', LOCK), 1))
+return 1
 """
 
 CONFIRM = """
