@@ -22,12 +22,15 @@ entry gone, and the task      anyone                                         DRO
 started since it parked                                                      lost park is sent again)
 held by the same task id      eager, and that run is up this call stack      REENTER (Celery's replace())
 held by the same task id      eager, elsewhere                               WAIT_HERE
-held by the same task id      a hand-off, recovered or slot waiter's copy    DROP (it runs already)
+held by the same task id      a hand-off or recovered copy, or a slot        DROP (it runs already)
+                              waiter's copy not redelivered
 held by the same task id      a broker redelivery                            PARK_SAME: first in line,
                                                                              dropped if the holder succeeds
 held by the same task id      a fresh message (retry, replace, re-sent)      PARK_FIRST
 held by another / line        eager, and the holder is up this call stack    DEADLOCK
-held by another / line        a recovered copy still in line                 DROP (its entry will run)
+held by another / line        a recovered copy still in line                 DROP (its entry will run);
+                                                                             redelivered: PARK (its entry
+                                                                             anew, as its own)
 held by another / line        a hand-off copy that lost its reservation      PARK_FIRST
 held by another / line        a redelivery, or the task's own retry          PARK (never skipped)
 held by another / line        a redelivery that provably never ran (early    the task's on_duplicate, as a
@@ -133,14 +136,14 @@ def _by_table(found: Found, who: Delivery) -> Action:
     if found is Found.HELD_BY_SELF:
         if who.eager:
             return Action.REENTER if who.holder_on_stack else Action.WAIT_HERE
-        if who.handoff or who.recovered or who.slot_copy:
+        if who.handoff or who.recovered or (who.slot_copy and not who.redelivered):
             return Action.DROP
         return Action.PARK_SAME if who.redelivered else Action.PARK_FIRST
     # held by another, or free with waiters in line
     if who.eager and who.holder_on_stack:
         return Action.DEADLOCK
-    if who.recovered:
-        return Action.DROP
+    if who.recovered and not who.redelivered:  # (redelivered, it may have died waiting in its slot:
+        return Action.DROP                       # it parks its entry anew, or a key handed to it is lost)
     if who.handoff:
         return Action.PARK_FIRST
     if (who.redelivered and not who.never_ran) or who.retry:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any
 
 from celery import Celery
@@ -124,7 +125,7 @@ def send(server: Any, handoff: Handoff) -> bool:
         headers[ENTRY] = handoff.entry
     elif handoff.what == "recovered":
         headers[ENTRY] = handoff.entry
-        headers[RECOVERED] = 1
+        headers[RECOVERED] = uuid.uuid4().hex  # which recovered copy: a STARTED it stores names it
     elif handoff.what == "expired":
         headers[EXPIRED] = 1
     else:

@@ -108,9 +108,12 @@ def ran_since_park(task: Any, request: Any) -> bool:
     status = meta.get("status")
     entry = (request.headers or {}).get(ENTRY)
     info = meta.get("result")
-    if status == STARTED:  # (a broker redelivery may have stored it itself, and died: not a run then)
+    if status == STARTED:
+        if not (isinstance(info, dict) and entry is not None and info.get("entry") == entry):
+            return False
+        # a broker redelivery of this very copy may have stored it, and died mid-body: not another's run
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
-        return not redelivered and isinstance(info, dict) and entry is not None and info.get("entry") == entry
+        return not (redelivered and info.get("copy") == str((request.headers or {}).get(RECOVERED)))
     if status == "WAITING":  # parked again since (another message of it, e.g. its retry): this one ran
         return isinstance(info, dict) and info.get("entry") not in (None, entry)
     if status not in READY_STATES:
@@ -140,6 +143,20 @@ def slot_entry_ran(task: Any, request: Any, entry: str) -> bool:
     return status in READY_STATES
 
 
+def other_copy_ran(task: Any, request: Any) -> bool:
+    """Asked by a copy that may meet another copy of its call after a loss of the lock Redis's data
+    (the sweeper's recovered copy of a waiter, a slot waiter's re-sent call), once it holds the key:
+    did the other one take the call over meanwhile? Its look before the acquire could not rule out
+    a whole run of the other one between the look and the acquire; under the lock it can: the other
+    stores STARTED while it holds the key, before its body. False for every other delivery (no look)."""
+    headers = request.headers or {}
+    if headers.get(SLOT) and not headers.get(ENTRY):
+        return slot_entry_ran(task, request, headers[SLOT])
+    if headers.get(RECOVERED):
+        return ran_since_park(task, request)
+    return False
+
+
 def _when(value: Any) -> float | None:
     if isinstance(value, str):
         try:
@@ -166,6 +183,8 @@ def mark_started(task: Any, request: Any, track_started: bool) -> None:
         meta["entry"] = entry
     if headers.get(SLOT) and not headers.get(ENTRY):  # which copy: a redelivery of it is not the other one
         meta["slot"] = headers.get(TOKEN) or ""
+    if headers.get(RECOVERED):
+        meta["copy"] = str(headers[RECOVERED])
     task.backend.store_result(request.id, meta, STARTED, request=request)
 
 

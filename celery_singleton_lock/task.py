@@ -238,6 +238,9 @@ class LockedTask(Task):
                 if resent and identity.succeeded(self, request):  # (see identity.succeeded)
                     outcome.release()
                     policies.refuse(self, Action.DROP, request, settings, key, Verdict.ALREADY_SUCCEEDED)
+                if identity.other_copy_ran(self, request):  # (a copy after a loss of the data: see there)
+                    outcome.release()
+                    policies.refuse(self, Action.DROP, request, settings, key, Verdict.ENTRY_GONE)
                 return self._run_with(outcome, request, settings)
             if who is None:
                 who = identity.delivery(self, request, settings.on_duplicate, policies.has_line(server, request),

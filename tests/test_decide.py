@@ -29,11 +29,13 @@ ROWS = [
     (Found.HELD_BY_SELF, Delivery("skip", handoff=True), Action.DROP),
     (Found.HELD_BY_SELF, Delivery("skip", recovered=True), Action.DROP),
     (Found.HELD_BY_SELF, Delivery("retry", slot_copy=True), Action.DROP),  # (the recovered copy runs it)
+    (Found.HELD_BY_SELF, Delivery("retry", slot_copy=True, redelivered=True), Action.PARK_SAME),  # (it died)
     (Found.HELD_BY_SELF, Delivery("skip", redelivered=True), Action.PARK_SAME),
     (Found.HELD_BY_SELF, Delivery("skip"), Action.PARK_FIRST),
     (Found.HELD_BY_SELF, Delivery("skip", retry=True), Action.PARK_FIRST),
     *[(f, Delivery("retry", eager=True, holder_on_stack=True), Action.DEADLOCK) for f in HELD],
     *[(f, Delivery("retry", recovered=True), Action.DROP) for f in HELD],
+    *[(f, Delivery("retry", recovered=True, redelivered=True), Action.PARK) for f in HELD],
     *[(f, Delivery("skip", handoff=True), Action.PARK_FIRST) for f in HELD],
     *[(f, Delivery("skip", redelivered=True), Action.PARK) for f in HELD],
     *[(f, Delivery("skip", redelivered=True, never_ran=True), Action.SKIP) for f in HELD],

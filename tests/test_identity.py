@@ -800,12 +800,17 @@ def test_after_a_data_loss_each_copy_of_a_waiting_call_counts_only_the_others_st
         return Context(id=task_id, headers=headers, delivery_info={"redelivered": redelivered}, is_eager=False)
 
     slot_copy = {SLOT: entry, TOKEN: "t1"}
-    recovered = {ENTRY: entry, RECOVERED: "1", PARKED_AT: str(time.time() - 5)}
+    recovered = {ENTRY: entry, RECOVERED: "c1", PARKED_AT: str(time.time() - 5)}
     identity.mark_started(waiting, request(slot_copy), False)  # the re-sent call starts, then dies
     assert waiting.backend.get_task_meta(task_id, cache=False)["result"]["slot"] == "t1"
     assert not identity.slot_entry_ran(waiting, request(slot_copy, redelivered=True), entry)  # its own start
     assert identity.ran_since_park(waiting, request(recovered))  # the other copy's start: a run
+    assert identity.ran_since_park(waiting, request(recovered, redelivered=True))  # (also for its redelivery)
 
     identity.mark_started(waiting, request(recovered), False)  # the recovered copy starts, then dies
     assert identity.slot_entry_ran(waiting, request(slot_copy), entry)  # the other copy's start: a run
-    assert not identity.ran_since_park(waiting, request(recovered, redelivered=True))  # (maybe its own start)
+    assert not identity.ran_since_park(waiting, request(recovered, redelivered=True))  # its own start
+    assert identity.ran_since_park(waiting, request({**recovered, RECOVERED: "c2"}, redelivered=True))  # another's
+
+    identity.mark_started(waiting, request({ENTRY: entry}), False)  # the entry's turn starts (a long body)
+    assert identity.ran_since_park(waiting, request(recovered, redelivered=True))  # a run, whoever asks
