@@ -657,3 +657,35 @@ def test_a_sweeper_leaves_alone_the_waiters_of_a_task_its_process_cannot_send(re
     finally:
         worker.stop()
         plain.close()
+
+
+def test_a_park_lost_with_the_data_whose_send_fails_is_sent_again_at_the_next_look(redis_server):
+    """The lock Redis lost its data while the broker is unreachable: the sweeper's send of the lost park
+    raises. It keeps the park and sends it at its next look (it used to forget it: the call was lost)."""
+    from celery_singleton_lock.engine.sweeper import Sweeper
+
+    server = LockServer.from_url(redis_server.url(2))
+    name = f"lost-{uuid.uuid4().hex[:8]}"
+    assert isinstance(server.acquire(name, 30, owner_id="holder"), Lock)
+    entry = queue.new_entry()
+    assert queue.park(server, name, entry, kind="t", wait=60, ttl=5, owner_id="waiter", message=b"msg") == 1
+    sent: list[Handoff] = []
+
+    def send(srv, handoff):
+        sent.append(handoff)
+        if len(sent) == 1:
+            raise ConnectionError("the broker is unreachable")
+        return True
+
+    server.send_handoff = send
+    sweeper = Sweeper(interval=0.2)
+    try:
+        sweeper.remember(server, name, entry, "waiter", 5, b"msg")
+        server.client.flushdb()  # the lock db's data is lost
+        wait_until(lambda: len(sent) >= 2, 10, 0.02, "the lost park to be sent again after the failed send")
+        assert [(h.what, h.entry, h.owner_id) for h in sent[:2]] == [("recovered", entry, "waiter")] * 2
+        wait_until(lambda: sweeper.parked_count() == 0, 5, 0.02, "the sent park to be forgotten")
+        assert len(sent) == 2
+    finally:
+        sweeper.stop()
+        server.close()

@@ -361,28 +361,34 @@ class LockServer(ScriptClient):
     def dispatch(self, handoffs: Iterable[Handoff]) -> None:
         """Send the waiting tasks the key was passed to (plain waiters were woken by the script)."""
         for handoff in handoffs:
-            if handoff.kind == "p":
-                continue
-            if self.send_handoff is None:
-                logger.info(
-                    "lock %s: waiting task %s (%s) left for a sweeper: nothing in this process sends tasks",
-                    handoff.key, handoff.owner_id, handoff.what,
-                )
-                continue
+            self.send_one(handoff)
+
+    def send_one(self, handoff: Handoff) -> bool:
+        """Send one waiting task: its turn came, its wait ran out, or its place was lost with the data
+        (``recovered``, from the sweeper of the process that parked it). False only when sending raised
+        (the broker unreachable): the sweeper then keeps a recovered one and sends it at its next look."""
+        if handoff.kind == "p":
+            return True
+        if self.send_handoff is None:
+            logger.info("lock %s: waiting task %s (%s) left for a sweeper: nothing in this process sends tasks",
+                        handoff.key, handoff.owner_id, handoff.what)
+            return True
+        try:
+            sent = self.send_handoff(self, handoff)
+        except Exception:
+            # an expired waiter's record is gone already: nobody can fail it later
+            later = {"expired": "it stays WAITING", "recovered": "sent again at the sweeper's next look"}.get(
+                handoff.what, "a sweeper will send it")
+            logger.exception("lock %s: sending waiting task %s (%s) failed; %s", handoff.key,
+                             handoff.owner_id, handoff.what, later)
+            return False
+        if sent and handoff.what == "run":  # ("next" stays unconfirmed: its turn has not come)
             try:
-                sent = self.send_handoff(self, handoff)
-            except Exception:
-                # an expired waiter's record is gone already: nobody can fail it later
-                later = "it stays WAITING" if handoff.what == "expired" else "a sweeper will send it"
-                logger.exception("lock %s: sending waiting task %s (%s) failed; %s", handoff.key,
-                                 handoff.owner_id, handoff.what, later)
-                continue
-            if sent and handoff.what == "run":  # ("next" stays unconfirmed: its turn has not come)
-                try:
-                    self.confirm(handoff.key, handoff.entry)
-                except LockError as exc:
-                    logger.warning("lock %s: could not mark the hand-off to %s as sent: %s", handoff.key,
-                                   handoff.owner_id, exc)
+                self.confirm(handoff.key, handoff.entry)
+            except LockError as exc:
+                logger.warning("lock %s: could not mark the hand-off to %s as sent: %s", handoff.key,
+                               handoff.owner_id, exc)
+        return True
 
     # -- for operators and tests -------------------------------------------
 

@@ -196,7 +196,9 @@ class Sweeper:
                 logger.error("lock Redis %s: %d parked task(s) of this process lost their place (data lost): "
                              "sending them again", server.url, len(lost))
             for p in lost:
-                server.dispatch([Handoff(p.key, "recovered", p.entry, "t", p.owner_id, p.ttl_ms, p.message)])
+                if not server.send_one(Handoff(p.key, "recovered", p.entry, "t", p.owner_id, p.ttl_ms, p.message)):
+                    with self._cond:  # (the broker unreachable: kept, and sent at the next look)
+                        self._parked.setdefault((server, p.key, p.entry), p)
 
     def parked_count(self) -> int:
         return len(self._parked)
