@@ -814,3 +814,6 @@ def test_after_a_data_loss_each_copy_of_a_waiting_call_counts_only_the_others_st
 
     identity.mark_started(waiting, request({ENTRY: entry}), False)  # the entry's turn starts (a long body)
     assert identity.ran_since_park(waiting, request(recovered, redelivered=True))  # a run, whoever asks
+    # once a copy holds the key it asks again (the other's whole run may fit between its look and its acquire)
+    assert identity.other_copy_ran(waiting, request(slot_copy)) and identity.other_copy_ran(waiting, request(recovered))
+    assert not identity.other_copy_ran(waiting, request({}))  # (any other delivery: no look at all)
