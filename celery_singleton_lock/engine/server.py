@@ -87,6 +87,15 @@ class LockBackend(Protocol):
     def close(self) -> None: ...
 
 
+def renew_one(backend: Any, lock: Lock) -> bool:
+    """``renew(lock)`` for a backend that renews in batches (``renew_many``, which answers an error per
+    lock rather than raising it): that one lock's answer, its error raised."""
+    result = backend.renew_many([lock])[0]
+    if isinstance(result, LockError):
+        raise result
+    return bool(result)
+
+
 class LockServer(ScriptClient):
     """The lock operations against one Redis server.
 

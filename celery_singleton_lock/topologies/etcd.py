@@ -41,7 +41,7 @@ from typing import Any
 from ..engine import layout
 from ..engine.line import entry_for
 from ..engine.lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, slot_safe
-from ..engine.server import DEFAULT_TURN_TIMEOUT, TOKEN_BYTES, HandoffSender
+from ..engine.server import DEFAULT_TURN_TIMEOUT, TOKEN_BYTES, HandoffSender, renew_one
 from ..exceptions import LockBackendUnavailable, LockError
 from .etcd_line import EtcdLine, anyone_waits, line_is_empty
 from .etcd_records import EtcdRecords
@@ -289,10 +289,7 @@ class EtcdLockServer:
         return Released(status, tuple(handoffs))
 
     def renew(self, lock: Lock) -> bool:
-        result = self.renew_many([lock])[0]
-        if isinstance(result, LockError):
-            raise result
-        return result
+        return renew_one(self, lock)
 
     def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]:
         """Locks renewed by hand (``lock.renew()``): each session kept alive once, as the watchdog

@@ -55,7 +55,7 @@ from typing import Any
 
 from ..engine import layout, scripts, wire
 from ..engine.lock import Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
-from ..engine.server import TOKEN_BYTES, HandoffSender, LockServer
+from ..engine.server import TOKEN_BYTES, HandoffSender, LockServer, renew_one
 from ..exceptions import LockBackendUnavailable, LockError
 from . import quorum_scripts as qlua
 from .fanout import PENDING, SKIPPED, MemberPipe, NotSent, gather
@@ -301,10 +301,7 @@ class QuorumLockServer:
         return Released(-1 if any(s == -1 for s in statuses) else 0)
 
     def renew(self, lock: Lock) -> bool:
-        result = self.renew_many([lock])[0]
-        if isinstance(result, LockError):
-            raise result
-        return result
+        return renew_one(self, lock)
 
     def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]:
         """Renew on every member; a lock is confirmed by a majority, lost once no majority can confirm it."""
