@@ -118,6 +118,11 @@ def ran_since_park(task: Any, request: Any) -> bool:
         return isinstance(info, dict) and info.get("entry") not in (None, entry)
     if status not in READY_STATES:
         return False  # PENDING, WAITING, RETRY: it never took its turn
+    return _since_park(request, meta)
+
+
+def _since_park(request: Any, meta: dict[str, Any]) -> bool:
+    """Was this final state stored after the call first parked (give or take a second of clocks)?"""
     parked_at = handoff.first_parked_at(request)
     done = _when(meta.get("date_done"))
     return parked_at is None or done is None or done >= parked_at - 1.0
@@ -129,8 +134,9 @@ def slot_entry_ran(task: Any, request: Any, entry: str) -> bool:
 
     That copy stores STARTED naming the entry when it runs, or WAITING naming it when it parks again;
     a STARTED this very copy stored (its token: a broker redelivery of it after its worker died) is not
-    that. Any final state counts too: the sending of this copy stored RETRY, so a final state came
-    after it. Without a backend: False (it runs: a waiter is never lost).
+    that. A final state stored since the call first parked counts too (one stored before it, by an
+    earlier call with the same task id, does not: Celery keeps a SUCCESS over later states). Without a
+    backend: False (it runs: a waiter is never lost).
     """
     meta = _meta(task, request)
     if meta is None:
@@ -140,18 +146,20 @@ def slot_entry_ran(task: Any, request: Any, entry: str) -> bool:
         if not isinstance(info, dict) or info.get("entry") != entry:
             return False
         return status == "WAITING" or bool(info.get("slot") != (request.headers or {}).get(TOKEN, ""))
-    return status in READY_STATES
+    return status in READY_STATES and _since_park(request, meta)
 
 
-def other_copy_ran(task: Any, request: Any) -> bool:
+def other_copy_ran(task: Any, request: Any, slot_looked: bool) -> bool:
     """Asked by a copy that may meet another copy of its call after a loss of the lock Redis's data
     (the sweeper's recovered copy of a waiter, a slot waiter's re-sent call), once it holds the key:
     did the other one take the call over meanwhile? Its look before the acquire could not rule out
     a whole run of the other one between the look and the acquire; under the lock it can: the other
-    stores STARTED while it holds the key, before its body. False for every other delivery (no look)."""
+    stores STARTED while it holds the key, before its body. ``slot_looked``: the slot waiter's copy went
+    on after such a look (:func:`.policies.slot_copy`; not when it took back a key still its own). False
+    for every other delivery (no look)."""
     headers = request.headers or {}
     if headers.get(SLOT) and not headers.get(ENTRY):
-        return slot_entry_ran(task, request, headers[SLOT])
+        return slot_looked and slot_entry_ran(task, request, headers[SLOT])
     if headers.get(RECOVERED):
         return ran_since_park(task, request)
     return False

@@ -32,7 +32,7 @@ from .exceptions import (
     LockWaitTimeout,
     SelfDeadlock,
 )
-from .headers import BACKOFF, ENTRY, MARKED, REDELIVERED, SLOT, TOKEN, UNREACHABLE
+from .headers import BACKOFF, ENTRY, MARKED, PARKED_AT, REDELIVERED, SLOT, TOKEN, UNREACHABLE
 from .signals import duplicate_coalesced, duplicate_skipped
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -211,7 +211,7 @@ def _slot_again(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
     _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, why, exc, token, slot=entry)
 
 
-def slot_copy(task: Any, request: Any, server: LockServer, key: str, entry: str, token: str) -> None:
+def slot_copy(task: Any, request: Any, server: LockServer, key: str, entry: str, token: str) -> bool:
     """The copy :func:`_slot_again` sent, before it tries the key: its entry's wait in the slot is ended
     for good (UNBLOCK, with the token it parked with, in one round trip), so the key is never made the
     owner of a wait nobody is in. Made the key's owner (its lock still held, or gone since), or unknown
@@ -220,12 +220,14 @@ def slot_copy(task: Any, request: Any, server: LockServer, key: str, entry: str,
     its place -> it ends (Ignore): that entry or delivery runs the call, or ran it. Unknown because the
     lock Redis lost its data: the sweeper of the process that parked it sends that park again too; the
     result backend tells whether that copy took the call over (then this one ends), as it does for a
-    gone lock (LAPSED) that may have been the other delivery's."""
+    gone lock (LAPSED) that may have been the other delivery's. Returns whether it went on without a
+    lock of its own to take back (LAPSED, UNKNOWN): it then asks again once it holds the key
+    (:func:`.identity.other_copy_ran`)."""
     got = queue.stop_waiting(server, key, entry, token)
-    if isinstance(got, queue.Handed):
-        return
+    if isinstance(got, queue.Handed):  # (the key is still its own: no other copy can have run the call)
+        return False
     if got in (queue.LAPSED, queue.UNKNOWN) and not identity.slot_entry_ran(task, request, entry):
-        return
+        return True
     logger.info("task %s[%s]: its entry in the line of lock %s runs the call (or ran it): this copy ends",
                 task.name, request.id, key)
     raise Ignore(f"its entry in the line of lock {key} runs the call")
@@ -336,8 +338,9 @@ def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
     headers[counter] = attempt + 1
     if redelivered:
         headers[REDELIVERED] = "1"
-    if slot:
+    if slot:  # (and when it first parked: a final state stored before that is no run of this call)
         headers[SLOT] = slot
+        headers[PARKED_AT] = handoff.first_parked_at(request) or time.time()
     if token:
         headers[TOKEN] = token
     sig = task.signature_from_request(request, args, kwargs, countdown=delay, retries=request.retries)

@@ -209,9 +209,10 @@ class LockedTask(Task):
             if settings.on_duplicate == "coalesce":
                 coalescing.fail_all(self, server, key, task_id, expired)
             raise expired
+        slot_looked = False
         while headers.get(SLOT) and isinstance(server, LockServer):  # a slot waiter's re-send: did its entry run?
             try:
-                policies.slot_copy(self, request, server, key, headers[SLOT], headers.get(TOKEN) or "")
+                slot_looked = policies.slot_copy(self, request, server, key, headers[SLOT], headers.get(TOKEN) or "")
                 break
             except LockBackendUnavailable as exc:  # sent again, as when the acquire cannot reach Redis
                 policies.unreachable(self, request, args, kwargs, settings, headers.get(TOKEN) or "", exc)
@@ -238,7 +239,7 @@ class LockedTask(Task):
                 if resent and identity.succeeded(self, request):  # (see identity.succeeded)
                     outcome.release()
                     policies.refuse(self, Action.DROP, request, settings, key, Verdict.ALREADY_SUCCEEDED)
-                if identity.other_copy_ran(self, request):  # (a copy after a loss of the data: see there)
+                if identity.other_copy_ran(self, request, slot_looked):  # (a copy after a loss of the data)
                     outcome.release()
                     policies.refuse(self, Action.DROP, request, settings, key, Verdict.ENTRY_GONE)
                 return self._run_with(outcome, request, settings)

@@ -815,5 +815,14 @@ def test_after_a_data_loss_each_copy_of_a_waiting_call_counts_only_the_others_st
     identity.mark_started(waiting, request({ENTRY: entry}), False)  # the entry's turn starts (a long body)
     assert identity.ran_since_park(waiting, request(recovered, redelivered=True))  # a run, whoever asks
     # once a copy holds the key it asks again (the other's whole run may fit between its look and its acquire)
-    assert identity.other_copy_ran(waiting, request(slot_copy)) and identity.other_copy_ran(waiting, request(recovered))
-    assert not identity.other_copy_ran(waiting, request({}))  # (any other delivery: no look at all)
+    assert identity.other_copy_ran(waiting, request(slot_copy), True)
+    assert identity.other_copy_ran(waiting, request(recovered), False)
+    assert not identity.other_copy_ran(waiting, request(slot_copy), False)  # (it took back a key still its own)
+    assert not identity.other_copy_ran(waiting, request({}), True)  # (any other delivery: no look at all)
+
+    # a SUCCESS of an earlier call with the same task id (Celery keeps it over later states) is no run
+    # of this one; one stored after this call first parked is
+    task_id = uuid.uuid4().hex
+    waiting.backend.store_result(task_id, "earlier", "SUCCESS")
+    assert not identity.slot_entry_ran(waiting, request({**slot_copy, PARKED_AT: time.time() + 10}), entry)
+    assert identity.slot_entry_ran(waiting, request({**slot_copy, PARKED_AT: time.time() - 10}), entry)
