@@ -97,7 +97,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     if not place:
         return None
     if place == queue.CLAIM:  # its turn came while it looked: the key is reserved for this copy
-        return _claim(server, request, key, entry, settings)
+        return _claim(task, request, args, kwargs, settings, server, key, entry)
     if isinstance(place, queue.Merged):
         merged(task, request, key, place)
     if place == queue.TOOK_ITS_TURN:  # a redelivery of a parked message whose turn already came
@@ -112,7 +112,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     sweeping.get_sweeper().watch(server, settings.index)
     if block and not already and isinstance(server, LockServer):
         try:
-            got = _in_slot(server, request, key, entry, settings, token)
+            got = _in_slot(task, request, args, kwargs, settings, server, key, entry, token)
         except LockError as exc:  # (with a token) it may have been made the key's owner: sent again with it
             _slot_again(task, request, args, kwargs, settings, server, token, entry,
                         f"waiting in its worker slot failed ({exc}); whether it was handed the key is unknown")
@@ -148,8 +148,8 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     raise Ignore(f"waiting in line for lock {key}")
 
 
-def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: config.LockSettings,
-             token: str) -> Lock | queue.Handed | int | None:
+def _in_slot(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
+             key: str, entry: str, token: str) -> Lock | queue.Handed | int | None:
     """``lock_wait_in_slot``: wait for the hand-off in the worker slot, briefly (the hot-key fast path). The
     Lock if it was handed the key meanwhile (Handed: made its own already); None once it is parked as
     usual; LAPSED or UNKNOWN (see :func:`~.engine.line.wait_in_slot`); Ignore if its turn came as a
@@ -163,7 +163,8 @@ def _in_slot(server: LockServer, request: Any, key: str, entry: str, settings: c
         logger.warning("lock %s: task %s stops waiting in its slot (%s); parked", key, request.id, exc)
         return None
     if isinstance(got, queue.Handed) or got == queue.WOKEN:
-        taken = got if isinstance(got, queue.Handed) else _claim(server, request, key, entry, settings)
+        taken = got if isinstance(got, queue.Handed) else _claim(task, request, args, kwargs, settings, server, key,
+                                                                  entry)
         sweeping.get_sweeper().forget(server, key, entry)  # (its turn came here: nothing to recover)
         return taken
     if got == queue.SENT:
@@ -233,9 +234,22 @@ def slot_copy(task: Any, request: Any, server: LockServer, key: str, entry: str,
     raise Ignore(f"its entry in the line of lock {key} runs the call")
 
 
-def _claim(server: LockBackend, request: Any, key: str, entry: str, settings: config.LockSettings) -> Lock:
-    """Take the key reserved for ``entry``, to run now."""
-    lock = server.acquire(key, settings.ttl, owner_id=request.id, entry=entry)
+def _claim(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockBackend,
+           key: str, entry: str) -> Lock:
+    """Take the key reserved for ``entry``, to run now.
+
+    The claim takes the entry out of the line. If Redis cannot confirm it (unreachable, or fewer
+    replicas than ``singleton_lock_min_replicas`` acknowledged it in time, and the lock was given
+    back), the place is gone but the call has not run: it is sent again as when an acquire cannot
+    reach Redis, with the claim's token (its copy takes the key back if the claim did land), and waits
+    in line anew. (Ended as a slot waiter's copy instead, it would find its place gone for good and
+    end: the call was lost.)"""
+    token = secrets.token_hex(16)
+    try:
+        lock = server.acquire(key, settings.ttl, owner_id=request.id, token=token, entry=entry)
+    except LockBackendUnavailable as exc:
+        unreachable(task, request, args, kwargs, settings, token, exc)
+        raise  # (eager: never here, it never parks)
     if isinstance(lock, Lock):
         return lock
     raise Ignore(f"its reservation of lock {key} ran out before it claimed it: its copy is sent")

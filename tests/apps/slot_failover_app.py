@@ -1,0 +1,86 @@
+"""The app that tests/test_slot_failover.py's real ``celery worker`` subprocesses run: slot waiters
+(``lock_wait_in_slot``) whose lock Redis is a Sentinel deployment that fails over.
+
+Broker (db 0), results (db 1) and the journal (db 3) on CSL_REDIS_URL_BASE (a plain private Redis);
+the LOCKS on the Sentinel deployment named by CSL_LOCK_URL (``sentinel://...;...``) with the master
+name CSL_MASTER_NAME, and ``singleton_lock_min_replicas`` from CSL_MIN_REPLICAS.
+Bodies journal each start and end (id, tag, pid, fence, our headers), so the tests count runs per
+call and check that no two bodies of one key overlapped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import task_prerun
+
+from celery_singleton_lock import LockedTask
+
+BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
+LOCK_URL = os.environ.get("CSL_LOCK_URL", f"{BASE}/2")
+
+app = Celery("slot_failover_app", broker=f"{BASE}/0", backend=f"{BASE}/1")
+app.conf.update(
+    singleton_lock_url=LOCK_URL,
+    singleton_lock_ttl=6.0,
+    singleton_lock_retry_backoff=0.3,
+    singleton_lock_retry_backoff_max=1.0,
+    singleton_lock_max_retries=40,
+    worker_prefetch_multiplier=1,
+    result_expires=None,
+    broker_transport_options={"unacked_restore_interval": 1, "unacked_restore_throttle": 1,
+                              "visibility_timeout": 3600},
+)
+if LOCK_URL.startswith("sentinel://"):
+    app.conf.singleton_lock_transport_options = {"master_name": os.environ.get("CSL_MASTER_NAME", "mymaster")}
+if os.environ.get("CSL_MIN_REPLICAS"):
+    app.conf.singleton_lock_min_replicas = int(os.environ["CSL_MIN_REPLICAS"])
+    app.conf.singleton_lock_replica_timeout = 0.5
+
+journal = redis.Redis.from_url(f"{BASE}/3")
+
+
+def _headers(task: Any) -> dict:
+    return {k[len("singleton_lock_"):]: v for k, v in (task.request.headers or {}).items()
+            if k.startswith("singleton_lock_") and k != "singleton_lock_parked_at"}
+
+
+def _run(task: Any, key: str, seconds: float, tag: str, gate: str = "") -> dict:
+    start = time.time()
+    lock = task.lock
+    journal.rpush(f"started:{key}", json.dumps({"id": task.request.id, "tag": tag, "pid": os.getpid(),
+                                                "at": start, "headers": _headers(task),
+                                                "fence": lock.fencing_token if lock else None}))
+    time.sleep(seconds)
+    if gate:  # then hold on until the test opens the gate (a key in the journal), at most 60 s
+        deadline = time.monotonic() + 60
+        while not journal.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    end = time.time()
+    journal.rpush(f"runs:{key}", json.dumps({"id": task.request.id, "tag": tag, "start": start, "end": end,
+                                             "pid": os.getpid(), "headers": _headers(task),
+                                             "lost": bool(lock and lock.lost)}))
+    return {"tag": tag, "pid": os.getpid()}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=5.0)
+def slot_long(self, key: str, seconds: float = 0.0, tag: str = "", gate: str = "") -> dict:
+    """Waits up to 5 s (the most allowed) in its worker slot. ``gate``: the body ends only once the
+    journal has that key (the test decides when the holder releases)."""
+    return _run(self, key, seconds, tag, gate)
+
+
+@task_prerun.connect(weak=False)
+def _journal_delivery(task_id: str = "", task: Any = None, args: Any = (), kwargs: Any = None, **_: Any) -> None:
+    """Every delivery of a locked task, before its lock is tried: which message, when, with what headers."""
+    if not isinstance(task, LockedTask):
+        return
+    key = (kwargs or {}).get("key") or (args[0] if args else None)
+    tag = (kwargs or {}).get("tag") or (args[2] if len(args) > 2 else "")
+    journal.rpush(f"delivered:{key}", json.dumps({"id": task_id, "tag": tag, "at": time.time(), "pid": os.getpid(),
+                                                  "headers": _headers(task)}))
