@@ -4,21 +4,18 @@
 Broker (db 0), results (db 1) and the journal (db 3) on CSL_REDIS_URL_BASE (a plain private Redis);
 the LOCKS on the Sentinel deployment named by CSL_LOCK_URL (``sentinel://...;...``) with the master
 name CSL_MASTER_NAME, and ``singleton_lock_min_replicas`` from CSL_MIN_REPLICAS.
-Bodies journal each start and end (id, tag, pid, fence, our headers), so the tests count runs per
-call and check that no two bodies of one key overlapped.
+Bodies journal each start and end (apps/_slot_journal.py), so the tests count runs per call and
+check that no two bodies of one key overlapped.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import time
-from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_prerun
 
+from apps._slot_journal import journal_deliveries, run_body
 from celery_singleton_lock import LockedTask
 
 BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
@@ -43,44 +40,11 @@ if os.environ.get("CSL_MIN_REPLICAS"):
     app.conf.singleton_lock_replica_timeout = 0.5
 
 journal = redis.Redis.from_url(f"{BASE}/3")
-
-
-def _headers(task: Any) -> dict:
-    return {k[len("singleton_lock_"):]: v for k, v in (task.request.headers or {}).items()
-            if k.startswith("singleton_lock_") and k != "singleton_lock_parked_at"}
-
-
-def _run(task: Any, key: str, seconds: float, tag: str, gate: str = "") -> dict:
-    start = time.time()
-    lock = task.lock
-    journal.rpush(f"started:{key}", json.dumps({"id": task.request.id, "tag": tag, "pid": os.getpid(),
-                                                "at": start, "headers": _headers(task),
-                                                "fence": lock.fencing_token if lock else None}))
-    time.sleep(seconds)
-    if gate:  # then hold on until the test opens the gate (a key in the journal), at most 60 s
-        deadline = time.monotonic() + 60
-        while not journal.exists(gate) and time.monotonic() < deadline:
-            time.sleep(0.005)
-    end = time.time()
-    journal.rpush(f"runs:{key}", json.dumps({"id": task.request.id, "tag": tag, "start": start, "end": end,
-                                             "pid": os.getpid(), "headers": _headers(task),
-                                             "lost": bool(lock and lock.lost)}))
-    return {"tag": tag, "pid": os.getpid()}
+journal_deliveries(journal)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=5.0)
 def slot_long(self, key: str, seconds: float = 0.0, tag: str = "", gate: str = "") -> dict:
     """Waits up to 5 s (the most allowed) in its worker slot. ``gate``: the body ends only once the
     journal has that key (the test decides when the holder releases)."""
-    return _run(self, key, seconds, tag, gate)
-
-
-@task_prerun.connect(weak=False)
-def _journal_delivery(task_id: str = "", task: Any = None, args: Any = (), kwargs: Any = None, **_: Any) -> None:
-    """Every delivery of a locked task, before its lock is tried: which message, when, with what headers."""
-    if not isinstance(task, LockedTask):
-        return
-    key = (kwargs or {}).get("key") or (args[0] if args else None)
-    tag = (kwargs or {}).get("tag") or (args[2] if len(args) > 2 else "")
-    journal.rpush(f"delivered:{key}", json.dumps({"id": task_id, "tag": tag, "at": time.time(), "pid": os.getpid(),
-                                                  "headers": _headers(task)}))
+    return run_body(journal, self, key, seconds, tag, gate)

@@ -3,7 +3,7 @@
 
 Broker (db 0), results (db 1) and the journal (db 3) on CSL_REDIS_URL_BASE; the LOCKS on a Redis of
 their own (CSL_LOCK_URL), so that the lock Redis can be restarted empty without losing the broker.
-Bodies journal each start and end (id, tag, pid, our headers), so the tests count runs and check that
+Bodies journal each start and end (apps/_slot_journal.py), so the tests count runs and check that
 no two bodies of one key overlapped.
 
 Fault hook (from outside the package, as tests/apps/kill_points.py): a slot waiter whose key is
@@ -22,8 +22,8 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_prerun
 
+from apps._slot_journal import journal_deliveries, run_body
 from celery_singleton_lock import LockedTask, policies
 
 BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
@@ -42,43 +42,25 @@ app.conf.update(
 )
 
 journal = redis.Redis.from_url(f"{BASE}/3")
-
-
-def _headers(task: Any) -> dict:
-    return {k[len("singleton_lock_"):]: v for k, v in (task.request.headers or {}).items()
-            if k.startswith("singleton_lock_") and k != "singleton_lock_parked_at"}
-
-
-def _run(task: Any, key: str, seconds: float, tag: str) -> dict:
-    start = time.time()
-    lock = task.lock
-    journal.rpush(f"started:{key}", json.dumps({"id": task.request.id, "tag": tag, "pid": os.getpid(),
-                                                "at": start, "headers": _headers(task),
-                                                "fence": lock.fencing_token if lock else None}))
-    time.sleep(seconds)
-    end = time.time()
-    journal.rpush(f"runs:{key}", json.dumps({"id": task.request.id, "tag": tag, "start": start, "end": end,
-                                             "pid": os.getpid(), "headers": _headers(task),
-                                             "lost": bool(lock and lock.lost)}))
-    return {"tag": tag, "pid": os.getpid()}
+journal_deliveries(journal)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=1.0)
 def slot(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
-    return _run(self, key, seconds, tag)
+    return run_body(journal, self, key, seconds, tag)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=5.0)
 def slot_long(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
     """Waits up to 5 s (the most allowed) in its slot: long enough to be in it while the lock Redis restarts."""
-    return _run(self, key, seconds, tag)
+    return run_body(journal, self, key, seconds, tag)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=5.0, lock_ttl=30.0)
 def slot_ttl30(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
     """As slot_long, with the package's default lock TTL (30 s): a hand-off within a third of it
     (10 s, longer than the longest slot wait) is trusted without a confirming renewal."""
-    return _run(self, key, seconds, tag)
+    return run_body(journal, self, key, seconds, tag)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=5.0,
@@ -86,14 +68,14 @@ def slot_ttl30(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
 def slot_slow_resend(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
     """As slot_long, with a slower re-send when the lock Redis is unreachable (2 to 4 s: the default
     back-off is 1 s, i.e. 0.5 to 1 s for a first re-send)."""
-    return _run(self, key, seconds, tag)
+    return run_body(journal, self, key, seconds, tag)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=2.0, lock_ttl=4.0,
           acks_late=True, reject_on_worker_lost=True)
 def slot_late(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
     """acks_late + reject_on_worker_lost: a killed child's message is delivered again."""
-    return _run(self, key, seconds, tag)
+    return run_body(journal, self, key, seconds, tag)
 
 
 @app.task(bind=True)
@@ -118,14 +100,3 @@ def _handed_then_maybe_die(task: Any, request: Any, args: Any, kwargs: Any, *res
 
 
 policies._handed = _handed_then_maybe_die  # type: ignore[assignment]
-
-
-@task_prerun.connect(weak=False)
-def _journal_delivery(task_id: str = "", task: Any = None, args: Any = (), kwargs: Any = None, **_: Any) -> None:
-    """Every delivery of a locked task, before its lock is tried: which message, when, with what headers."""
-    if not isinstance(task, LockedTask):
-        return
-    key = (kwargs or {}).get("key") or (args[0] if args else None)
-    tag = (kwargs or {}).get("tag") or (args[2] if len(args) > 2 else "")
-    journal.rpush(f"delivered:{key}", json.dumps({"id": task_id, "tag": tag, "at": time.time(), "pid": os.getpid(),
-                                                  "headers": _headers(task)}))
