@@ -116,6 +116,11 @@ FRESH_SHA = hashlib.sha1(scripts.ACQUIRE_FRESH.encode()).hexdigest()
 """A fresh delivery's ACQUIRE (2 keys: token, metadata, ttl): its owner is in the metadata."""
 
 
+def _argv(w: list[str]) -> list[str]:
+    """A MONITORed EVALSHA's arguments (ARGV[1] first), past its keys (their count is its third word)."""
+    return w[3 + int(w[2]):]
+
+
 def _acquire_owner(w: list[str]) -> str | None:
     """The owner id of a MONITORed ACQUIRE (full: its 4th argument; fresh: in its metadata, in the
     script's arguments or, sent as a plain SET NX GET, in the value after "<token> 0 "), else None."""
@@ -126,11 +131,11 @@ def _acquire_owner(w: list[str]) -> str | None:
             return None
     if w[0].upper() != "EVALSHA":
         return None
-    if w[1] == ACQUIRE_SHA and len(w) > 10:
-        return w[10]
-    if w[1] == FRESH_SHA and len(w) > 6:
+    if w[1] == ACQUIRE_SHA and len(_argv(w)) > 3:
+        return _argv(w)[3]
+    if w[1] == FRESH_SHA and len(_argv(w)) > 1:
         try:
-            return json.loads(w[6]).get("owner")
+            return json.loads(_argv(w)[1]).get("owner")
         except ValueError:
             return None
     return None
@@ -425,12 +430,13 @@ def drain(cluster: HotCluster, variant: str, n: int, body_s: float, cap: float,
     seen: set[int] = set()
     attempts: dict[int, int] = {}
     if variant in ("ours", "ours-slot"):
-        # each waiter's place: its last PARK that is not a copy's re-park at the head (again: ARGV[8], w[14]).
+        # each waiter's place: its last PARK that is not a copy's re-park at the head (again: ARGV[8]).
         # A PARK that found the key free and nobody waiting (it then takes it, or parks again) held no place.
         placed: dict[int, int] = {}
         for i, w in enumerate(cmds):
-            if w[0].upper() == "EVALSHA" and w[1] == PARK_SHA and len(w) > 14 and w[11] in ids and w[14] != "1":
-                placed[ids[w[11]]] = i
+            argv = _argv(w) if w[0].upper() == "EVALSHA" and w[1] == PARK_SHA else []
+            if len(argv) > 7 and argv[4] in ids and argv[7] != "1":
+                placed[ids[argv[4]]] = i
         order = sorted(placed, key=placed.__getitem__)
         seen = set(order)
         # ours: those that parked (its duplicate_skipped record); ours-slot: every PARK, a slot wait too

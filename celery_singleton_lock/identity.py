@@ -24,11 +24,11 @@ import os
 from datetime import datetime, timezone
 from typing import Any
 
-from celery.app.task import get_actual_ignore_result
 from celery.backends.base import DisabledBackend
 from celery.states import READY_STATES, STARTED, SUCCESS
 
 from . import handoff
+from .compat import get_actual_ignore_result
 from .decide import Delivery, Found
 from .engine.lock import Done, Holder, Lock, Verdict
 from .headers import ENTRY, RECOVERED, SLOT, TOKEN

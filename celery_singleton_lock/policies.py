@@ -14,11 +14,10 @@ import time
 from typing import Any, NoReturn
 
 from celery import states
-from celery.app.task import get_actual_ignore_result
 from celery.exceptions import Ignore, Retry, TaskRevokedError
-from celery.result import EagerResult
 
 from . import config, handoff, identity
+from .compat import eager_result, get_actual_ignore_result
 from .decide import Action
 from .engine import line as queue
 from .engine import sweeper as sweeping
@@ -307,7 +306,7 @@ def eager_skip(result: Any) -> Any:
     tracer would say IGNORED, whose ``get()`` returns the Ignore as if it were the task's value, so a
     test in eager mode would check a state production never shows, and an eager chain would run on)."""
     if result.state == states.IGNORED and isinstance(result.result, Skipped):
-        return EagerResult(result.id, TaskRevokedError(str(result.result)), states.REVOKED, name=result.name)
+        return eager_result(result.id, TaskRevokedError(str(result.result)), states.REVOKED, result.name)
     return result
 
 

@@ -11,11 +11,11 @@ import logging
 from typing import Any
 
 from celery import Task
-from celery.app.task import get_actual_ignore_result
 from celery.states import FAILURE, SUCCESS
 from kombu.serialization import dumps, loads
 
 from . import config
+from .compat import get_actual_ignore_result
 from .engine import layout
 from .engine import line as queue
 from .engine.lock import Lock

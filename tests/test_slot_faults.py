@@ -10,18 +10,16 @@ one key overlapped.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
-import socket
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from _fault_proxy import FaultProxy, sha_of
 from _task_support import assert_no_overlap
 
 from celery_singleton_lock.engine import layout, line_scripts
@@ -32,111 +30,11 @@ TIMEOUT = 40
 QUIET = 2.0  # after the last expected run: long enough for a late twin (a re-send, a recovered copy) to run
 
 
-class DropProxy:
-    """A TCP proxy in front of the lock Redis that loses replies on demand: ``arm(pattern, count)``
-    makes the next ``count`` requests containing ``pattern`` reach Redis (which runs them), and the
-    connection that sent each is closed instead of getting the reply (a reply lost on the way back).
-    Everything else goes through as is. Stopped by ``close()`` (its own threads and sockets only)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target = ("127.0.0.1", target_port)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._lock = threading.Lock()
-        self._armed: dict[bytes, int] = {}
-        self.dropped: list[bytes] = []
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True, name="drop-proxy-accept").start()
-
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def arm(self, pattern: bytes, count: int) -> None:
-        with self._lock:
-            self._armed[pattern] = count
-
-    def left(self, pattern: bytes) -> int:
-        with self._lock:
-            return self._armed.get(pattern, 0)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(self.target)
-            except OSError:
-                _close(client)
-                continue
-            with self._lock:
-                self._sockets += [client, server]
-            lose = threading.Event()  # set: the next reply on this connection is lost, and it closes
-            threading.Thread(target=self._up, args=(client, server, lose), daemon=True).start()
-            threading.Thread(target=self._down, args=(server, client, lose), daemon=True).start()
-
-    def _up(self, src: socket.socket, dst: socket.socket, lose: threading.Event) -> None:
-        while True:
-            try:
-                data = src.recv(65536)
-                if not data:
-                    break
-                with self._lock:
-                    for pattern, count in self._armed.items():
-                        if count > 0 and pattern in data:
-                            self._armed[pattern] = count - 1
-                            self.dropped.append(pattern)
-                            lose.set()
-                            break
-                dst.sendall(data)
-            except OSError:
-                break
-        _close(src)
-        _close(dst)
-
-    def _down(self, src: socket.socket, dst: socket.socket, lose: threading.Event) -> None:
-        while True:
-            try:
-                data = src.recv(65536)
-            except OSError:
-                data = b""
-            if not data or lose.is_set():
-                break
-            try:
-                dst.sendall(data)
-            except OSError:
-                break
-        _close(src)
-        _close(dst)
-
-    def close(self) -> None:
-        _close(self._listener)
-        with self._lock:
-            for s in self._sockets:
-                _close(s)
-
-
-def _close(s: socket.socket) -> None:
-    try:
-        s.shutdown(socket.SHUT_RDWR)  # (close alone waits for a thread blocked in recv on it)
-    except OSError:
-        pass
-    try:
-        s.close()
-    except OSError:
-        pass
-
-
-def sha_of(script: str) -> bytes:
-    return hashlib.sha1(script.encode()).hexdigest().encode()
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     logs = tmp_path_factory.mktemp("slot_faults")
     with RedisServer() as server, RedisServer() as locks:
-        proxy = DropProxy(locks.port)  # the workers reach the lock Redis through it
+        proxy = FaultProxy(locks.port)  # the workers reach the lock Redis through it
         base = f"redis://127.0.0.1:{server.port}"
         os.environ["CSL_REDIS_URL_BASE"] = base
         os.environ["CSL_LOCK_URL"] = proxy.url(2)

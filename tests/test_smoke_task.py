@@ -64,8 +64,8 @@ def test_footprint_early_ack_leaves_nothing_and_acks_late_only_its_window(redis_
     def late(self, n):
         return n
 
-    def ours() -> list[bytes]:
-        return sorted(locks.scan_iter(f"{prefix}:*"))
+    def ours() -> list[bytes]:  # (beside the replies kept a short while for a second send: engine/kept.py)
+        return sorted(k for k in locks.scan_iter(f"{prefix}:*") if b":r:" not in k)
 
     with run_worker(app):
         assert [early.delay(n).get(timeout=10) for n in range(20)] == list(range(20))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from . import layout
+from .kept import kept
 from .lock import slot_safe
 from .server import LockServer
 
@@ -127,3 +128,6 @@ def drop_merged(server: LockServer, name: str, owner: str, *, sent_again: bool =
     published again as they were, and a copy of one must not find itself merged still."""
     key = slot_safe(name)
     server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("2" if sent_again else "1",))
+
+# Each call of these is safe to send twice: its reply is kept under its request id (engine/kept.py).
+PUBLISH, UNMARK, TAKE_MERGED = map(kept, (PUBLISH, UNMARK, TAKE_MERGED))

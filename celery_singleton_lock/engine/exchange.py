@@ -46,6 +46,15 @@ REST_AFTER = 3
 REST_FOR = 64
 
 
+def checkout(pool: Any) -> Any:
+    """A connection taken from ``pool`` for a thread to keep. redis-py 5.3 and newer take no argument
+    (and warn at one); 5.0 - 5.2 require a command name, which only picks a node in a cluster."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("_")
+
+
 def send(conn: Any, data: bytes) -> None:
     """Write ``data`` on ``conn`` (connecting it first if it is not open). Anything that stops the
     write half-way drops the connection: half a command must not prefix the next one."""

@@ -31,6 +31,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from ..exceptions import LockLost
+from .kept import as_is
 from .lock import Lock
 
 ACQUIRE_FRESH = """
@@ -50,6 +51,8 @@ if redis.call('EXISTS', KEYS[2]) == 0 then
   end
 end
 local held = redis.call('GET', KEYS[1])
+-- this very call sent twice (its first reply lost): its first send took the key, under its token
+if held and string.find(held, ARGV[1] .. ' ', 1, true) == 1 then return tonumber(string.match(held, '^%S+ (%d+)')) end
 if held then return {0, held, redis.call('PTTL', KEYS[1])} end
 return {0, '', -2}
 """
@@ -156,3 +159,9 @@ class FencedLater(Lock):
         return (f"FencedLater(key={self.key!r}, fencing_token={self.known_fence()!r} (drawn when first read), "
                 f"ttl={self.ttl!r}, owner_id={self.owner_id!r}, released={self.released!r}, "
                 f"lost_reason={self.lost_reason!r})")
+
+# Safe to send twice as they are (engine/kept.py): ACQUIRE_FRESH finds its own token and answers its
+# fence; FENCE draws the fence once and then reads it. RELEASE_FRESH is never sent twice by the
+# client: a release that lost its reply tries again as a full RELEASE that knows its first try.
+ACQUIRE_FRESH = as_is(ACQUIRE_FRESH)
+FENCE = as_is(FENCE)

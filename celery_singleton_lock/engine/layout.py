@@ -135,6 +135,11 @@ def blocking(key: str, entry: str) -> str:
     return f"{key}:b:{entry}"
 
 
+def reply(key: str, request_id: str) -> str:
+    """``K:r:<request id>``: one call's reply, kept a short while for a second send of it (kept.py)."""
+    return f"{key}:r:{request_id}"
+
+
 def floor(key: str) -> str:
     """``K:f``: a quorum member's fencing floor."""
     return key + ":f"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from . import scripts
+from .kept import kept
 from .lock import Handoff, slot_safe
 from .server import LockServer
 
@@ -95,8 +96,10 @@ def force_release(server: LockServer, key: str, expected: str = "") -> ForceRele
     """Delete ``key``'s lock whoever holds it (only if it still starts with ``expected``, when
     given: the holder an operator was shown), and hand the key on as a release would.
     Raises the server's LockError when Redis cannot be reached."""
-    reply = server.run(scripts.FORCE_RELEASE, server.keys_for(key), (expected,))
+    reply = server.run(scripts.FORCE_RELEASE_KEPT, server.keys_for(key), (expected,))
     status, value = int(reply[0]), reply[1]
     handoffs = tuple(Handoff.parse(key, item) for item in reply[2:]) if status != -1 else ()
     server.dispatch(handoffs)  # publishes the waiting task the key was handed to
     return ForceReleased(status, value if isinstance(value, bytes) else str(value or "").encode(), handoffs)
+
+REMOVE = kept(REMOVE)  # safe to send twice: its reply is kept under its request id (engine/kept.py)

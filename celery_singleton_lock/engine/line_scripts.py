@@ -5,6 +5,7 @@ index. They share :mod:`.scripts`' prelude (``_KEYS``: lock, line, waiters, done
 
 from __future__ import annotations
 
+from .kept import kept
 from .scripts import _HAND_OFF, _KEYS
 
 PARK = _KEYS + """
@@ -282,3 +283,8 @@ for i = 2, #ARGV, 2 do
 end
 return 1
 """
+
+# Each call of these is safe to send twice: its reply is kept under its request id (engine/kept.py).
+PARK, TOUCH, SWEEP, UNBLOCK = map(kept, (PARK, TOUCH, SWEEP, UNBLOCK))
+WAKE_AGAIN, CONFIRM, LEAVE = map(kept, (WAKE_AGAIN, CONFIRM, LEAVE))
+INDEX_ADD, INDEX_DUE, INDEX_DONE = map(kept, (INDEX_ADD, INDEX_DUE, INDEX_DONE))

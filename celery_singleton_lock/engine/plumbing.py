@@ -11,6 +11,7 @@ is an EVALSHA packed by hand (:mod:`.wire`) and sent on a connection the calling
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ..exceptions import LockError
-from . import exchange, refusals, scripts, wire
+from . import exchange, kept, layout, refusals, scripts, wire
 from .lock import ms
 
 if TYPE_CHECKING:
@@ -73,14 +74,21 @@ class ScriptClient:
         ``replicated``: with ``min_replicas``, also WAIT for the replicas in the
         same round trip; :class:`Unreplicated` (carrying the script's reply) if
         too few acknowledged in time.
+
+        A broken connection is replaced and the call sent once more only where that is safe
+        (:func:`.kept.may_resend`): a kept script carries a request id (one more key) whose kept
+        reply answers the second send as the first; any other is never sent twice.
         """
         wait = replicated and self.min_replicas > 0
+        resend = kept.may_resend(script)
+        if script in kept.KEPT:
+            keys = (*keys, layout.reply(keys[0], secrets.token_hex(8)))
         try:
             try:
-                return self._call(self._sha(script), keys, args, wait)
+                return self._call(self._sha(script), keys, args, wait, resend)
             except NoScriptError:  # loaded where the EVALSHA goes: after a failover the pool's connection
                 # and this thread's may be on different servers for a moment
-                return self._call(self._load_here(script), keys, args, wait)
+                return self._call(self._load_here(script), keys, args, wait, resend)
         except RedisError as exc:
             raise self.error(exc, keys[0]) from exc
 
@@ -118,17 +126,17 @@ class ScriptClient:
                 raise Unreplicated(replies[-2], acked)
         return replies[-2] if len(replies) > 1 else replies[0]
 
-    def _call(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool = False) -> Any:
+    def _call(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool = False,
+              resend: bool = True) -> Any:
         """One EVALSHA, packed here and sent on this thread's own connection.
 
         redis-py's generic command path (pool checkout, packing, response
         callbacks) costs about as much as the round trip itself; the lock's hot
         path is two commands per task, so it takes the short way: a connection
         this thread keeps (a forked child takes a new one), the command packed in
-        one join. A connection found broken is replaced and the command sent once
-        more: a command that never reached a live server is safe to repeat, and
-        both acquire (by its token) and release are safe even if it did. A timeout
-        is not retried: the caller decides.
+        one join. A connection found broken is replaced and, with ``resend``, the
+        command sent once more: the caller (:meth:`run`) says whether a second send
+        is safe if the first did run. A timeout is not retried: the caller decides.
 
         Under Sentinel the connection asks the Sentinels for the master whenever
         it (re)connects, and a READONLY reply (a demoted master) disconnects it:
@@ -145,7 +153,7 @@ class ScriptClient:
                 raise  # every reply was read: the connection is still in step
             except RedisConnectionError:
                 conn.disconnect()
-                if attempt == 2:
+                if attempt == 2 or not resend:
                     raise
                 conn.connect()  # not left to send_packed_command: that one skips Sentinel's master lookup
             except BaseException:
@@ -220,7 +228,7 @@ class ScriptClient:
         held = self._held
         conn = getattr(held, "conn", None)
         if conn is None or conn.pid != os.getpid():
-            conn = held.conn = self.client.connection_pool.get_connection()
+            conn = held.conn = exchange.checkout(self.client.connection_pool)
         return conn
 
     def _unreplicated_reason(self, acked: int) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 
 from .fresh import ACQUIRE_FRESH as ACQUIRE_FRESH  # re-exported: the fresh delivery's ACQUIRE
 from .fresh import FRESH_RELEASE
+from .kept import as_is, kept
 
 # Shared by every script of one lock. KEYS: lock, line, waiters, done.
 _KEYS = """
@@ -304,3 +305,11 @@ return hand_off(clock(), '', {deleted, held or ''})
 """
 
 # -- quorum mode (quorum.py): the same lock value on each of N independent masters ------------------
+
+# Each call of these is safe to send twice (engine/kept.py): the changes keep their reply under the
+# call's request id; the renewal only extends what its token still holds.
+ACQUIRE = kept(ACQUIRE)
+RELEASE = kept(RELEASE)
+FORCE_RELEASE_KEPT = kept(FORCE_RELEASE)
+"""FORCE_RELEASE on one Redis (the quorum's fan-out sends FORCE_RELEASE itself, once per member)."""
+RENEW_MANY = as_is(RENEW_MANY)

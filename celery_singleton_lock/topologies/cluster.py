@@ -110,7 +110,7 @@ class ClusterLockServer(LockServer):
             held.pid = os.getpid()
         conn = conns.get(node.name)
         if conn is None:
-            conn = conns[node.name] = self.cluster.get_redis_connection(node).connection_pool.get_connection()
+            conn = conns[node.name] = exchange.checkout(self.cluster.get_redis_connection(node).connection_pool)
         return conn
 
     def _drop(self, node: ClusterNode, conn: Any) -> None:
@@ -127,11 +127,13 @@ class ClusterLockServer(LockServer):
             except (RedisError, RedisClusterException):
                 pass  # the next command tries again
 
-    def _call(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool = False) -> Any:
-        """One EVALSHA on the master of ``keys[0]``'s slot, following the cluster's redirects."""
-        return self._on_slot(key_slot(keys[0].encode()), self._packed(sha, keys, args, wait), wait)
+    def _call(self, sha: str, keys: Sequence[str], args: Sequence[Any], wait: bool = False,
+              resend: bool = True) -> Any:
+        """One EVALSHA on the master of ``keys[0]``'s slot, following the cluster's redirects; sent
+        again on a broken connection only with ``resend`` (see ``ScriptClient.run``)."""
+        return self._on_slot(key_slot(keys[0].encode()), self._packed(sha, keys, args, wait), wait, resend)
 
-    def _on_slot(self, slot: int, data: bytes, wait: bool) -> Any:
+    def _on_slot(self, slot: int, data: bytes, wait: bool, resend: bool = True) -> Any:
         nodes = self.cluster.nodes_manager
         ask: ClusterNode | None = None
         redirects = 0
@@ -181,6 +183,8 @@ class ClusterLockServer(LockServer):
                 if conn is not None:
                     self._drop(node, conn)
                 broken += 1
+                if not resend:
+                    raise
                 if broken == 1:
                     continue  # maybe only this socket was stale: the same node once more
                 if broken > 2:

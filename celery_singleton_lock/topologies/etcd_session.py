@@ -90,7 +90,13 @@ class Transport:
                  cert_cert: str | None = None, user: str | None = None, password: str | None = None) -> None:
         with warnings.catch_warnings():  # its watch module's futurist warns about eventlet when installed
             warnings.simplefilter("ignore")
-            import etcd3gw
+            try:
+                import etcd3gw
+            except ImportError as exc:
+                raise ImportError(
+                    f"singleton_lock_url {url!r} needs the etcd client, which is not installed: "
+                    'pip install "celery-singleton-lock[etcd]"'
+                ) from exc
 
         if not endpoints:
             raise ValueError(f"an etcd URL needs at least one host:port, got {url}")

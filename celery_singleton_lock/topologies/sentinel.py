@@ -26,6 +26,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
+from ..engine import exchange
 from ..engine.addresses import redact_url
 from ..engine.server import DEFAULT_CLIENT_OPTIONS, LockServer
 
@@ -168,7 +169,7 @@ class SentinelLockServer(LockServer):
         held = self._held
         conn = getattr(held, "conn", None)
         if conn is None or conn.pid != os.getpid():
-            conn = held.conn = self.client.connection_pool.get_connection()
+            conn = held.conn = exchange.checkout(self.client.connection_pool)
             held.generation = watch.generation
         elif getattr(held, "generation", 0) != watch.generation:
             held.generation = watch.generation

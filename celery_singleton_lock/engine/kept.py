@@ -1,0 +1,63 @@
+"""A script call sent twice answers as the first did: its reply is kept under the call's request id.
+
+The rule for every call to the lock Redis: it is safe to send twice, or it is never sent again.
+A connection can break after Redis ran a script and before its reply came back (a reset, a proxy
+or sidecar restart, ``CLIENT KILL``). The client then sends the call once more on a new connection,
+and that second send must not be read as a new call: a claim would find its own token and answer
+"entry gone", a publish would find its own mark, a sweep would find nothing left to expire.
+
+So each script that changes the line is wrapped by :func:`kept`. The client gives every call a
+request id, passed as one more key (``layout.reply``, in the lock's hash slot). The wrapper first
+looks for a reply kept under that id: there is one only when this is a second send, and it is
+returned as it is. Otherwise the script runs, and its reply is kept for :data:`KEEP_MS`, long
+enough for the client's second send, which follows at once on a new connection.
+
+The scripts that are safe to send twice as they are (:data:`AS_IS`) are not wrapped: the renewal
+only extends a TTL its token still holds; the fence is drawn once and then read; a fresh acquire
+(ACQUIRE_FRESH, and the plain ``SET NX GET`` of :mod:`.fresh`) finds the key held by its own token
+and answers "taken". So an uncontended task leaves nothing behind, and pays nothing for the rule.
+The release of an uncontended lock (RELEASE_FRESH) is never sent twice by the client: the task's
+release tries again with ``again``, a full RELEASE that knows its first try (see releasing).
+"""
+
+from __future__ import annotations
+
+KEEP_MS = 30_000
+"""How long a reply is kept (ms): the client's second send comes within its connect timeout."""
+
+_WRAP = """
+-- The last key is this call's reply, kept for a second send of the same call (engine/kept.py).
+local KEPT_REPLY = KEYS[#KEYS]
+local kept_reply = redis.call('GET', KEPT_REPLY)
+if kept_reply then return cmsgpack.unpack(kept_reply) end
+local function body()
+%s
+end
+local reply = body()
+redis.call('SET', KEPT_REPLY, cmsgpack.pack(reply), 'PX', %d)
+return reply
+"""
+
+KEPT: set[str] = set()
+"""Every wrapped script's text: the client adds a request id to these, and may send them twice."""
+
+AS_IS: set[str] = set()
+"""Scripts safe to send twice unwrapped (see the module doc): the client may send them twice."""
+
+
+def kept(script: str) -> str:
+    """``script`` wrapped so that a second send of one call returns the first send's reply."""
+    wrapped = _WRAP % (script, KEEP_MS)
+    KEPT.add(wrapped)
+    return wrapped
+
+
+def as_is(script: str) -> str:
+    """``script``, declared safe to send twice as it is."""
+    AS_IS.add(script)
+    return script
+
+
+def may_resend(script: str) -> bool:
+    """Whether the client may send ``script`` again after its connection broke mid-call."""
+    return script in KEPT or script in AS_IS

@@ -1,0 +1,129 @@
+"""One TCP proxy in front of a Redis, with the faults the tests inject between a client and it.
+
+- reset-after-run (``arm(pattern, count)``): the next ``count`` requests containing ``pattern``
+  reach Redis, which runs them; the reply is dropped and the client's connection closed (a reply
+  lost on the way back: a network reset, a proxy or sidecar restart, ``CLIENT KILL``);
+- blackout (``blackout(seconds)``): every open connection is closed, and new ones are refused
+  (accepted and closed at once) for that many seconds.
+
+Everything else goes through as it is. ``close()`` stops it (its own threads and sockets only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+
+
+def sha_of(script: str) -> bytes:
+    """What an EVALSHA of ``script`` carries on the wire: the pattern that arms the proxy for it."""
+    return hashlib.sha1(script.encode()).hexdigest().encode()
+
+
+class FaultProxy:
+    def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
+        self.target = (host, target_port)
+        self._listener = socket.create_server((host, 0))
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._armed: dict[bytes, int] = {}
+        self._dark_until = 0.0
+        self.dropped: list[bytes] = []
+        """The patterns whose reply was dropped, in order."""
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True, name="fault-proxy-accept").start()
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://{self.target[0]}:{self.port}/{db}"
+
+    def arm(self, pattern: bytes, count: int = 1) -> None:
+        """Drop the reply of the next ``count`` requests that contain ``pattern`` (after Redis ran them)."""
+        with self._lock:
+            self._armed[pattern] = count
+
+    def left(self, pattern: bytes) -> int:
+        with self._lock:
+            return self._armed.get(pattern, 0)
+
+    def blackout(self, seconds: float) -> None:
+        """Close every connection now, and refuse new ones for ``seconds``."""
+        with self._lock:
+            self._dark_until = time.monotonic() + seconds
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            _close(s)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                dark = time.monotonic() < self._dark_until
+            if dark:
+                _close(client)
+                continue
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:
+                _close(client)
+                continue
+            with self._lock:
+                self._sockets += [client, server]
+            lose = threading.Event()  # set: the next reply on this connection is lost, and it closes
+            threading.Thread(target=self._up, args=(client, server, lose), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, lose), daemon=True).start()
+
+    def _up(self, src: socket.socket, dst: socket.socket, lose: threading.Event) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+                if not data:
+                    break
+                with self._lock:
+                    for pattern, count in self._armed.items():
+                        if count > 0 and pattern in data:
+                            self._armed[pattern] = count - 1
+                            self.dropped.append(pattern)
+                            lose.set()
+                            break
+                dst.sendall(data)
+            except OSError:
+                break
+        _close(src)
+        _close(dst)
+
+    def _down(self, src: socket.socket, dst: socket.socket, lose: threading.Event) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if not data or lose.is_set():
+                break
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        _close(src)
+        _close(dst)
+
+    def close(self) -> None:
+        _close(self._listener)
+        with self._lock:
+            for s in self._sockets:
+                _close(s)
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)  # (close alone waits for a thread blocked in recv on it)
+    except OSError:
+        pass
+    try:
+        s.close()
+    except OSError:
+        pass
