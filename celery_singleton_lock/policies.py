@@ -327,20 +327,21 @@ def backoff(task: Any, request: Any, args: Any, kwargs: Any, settings: config.Lo
 
 
 def unreachable(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, token: str,
-                exc: LockBackendUnavailable) -> None:
-    """Redis unreachable: send this call again later, carrying the attempt's token; returns
-    only to try again (eager). The body never runs unlocked."""
+                exc: LockBackendUnavailable, entry: str | None = None) -> None:
+    """Redis unreachable: send this call again later, carrying the attempt's token, and, for a turn's
+    claim, its ``entry`` (the key stays reserved for it: the copy claims it); returns only to try again
+    (eager). The body never runs unlocked."""
     attempt = _count(request, UNREACHABLE)
     if attempt >= settings.max_retries:
         raise exc
     reason = f"lock Redis unreachable ({exc.reason}), attempt {attempt + 1} of {settings.max_retries}"
     logger.warning("task %s[%s]: %s", task.name, request.id, reason)
-    _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, reason, exc, token)
+    _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, reason, exc, token, entry=entry or "")
 
 
 def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, counter: str,
                 attempt: int, reason: str, exc: Exception, token: str | None = None,
-                redelivered: bool = False, slot: str = "") -> None:
+                redelivered: bool = False, slot: str = "", entry: str = "") -> None:
     delay = _delay(settings, attempt)
     if request.is_eager:
         setattr(request, counter, attempt + 1)
@@ -356,6 +357,8 @@ def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
         headers[PARKED_AT] = handoff.first_parked_at(request) or time.time()
     if token:
         headers[TOKEN] = token
+    if entry:
+        headers[ENTRY] = entry
     sig = task.signature_from_request(request, args, kwargs, countdown=delay, retries=request.retries)
     sig.options["headers"] = {**(sig.options.get("headers") or {}), **headers}
     sig.apply_async()

@@ -229,7 +229,7 @@ class LockedTask(Task):
                     check_done=redelivered,
                 )
             except LockBackendUnavailable as exc:
-                policies.unreachable(self, request, args, kwargs, settings, token, exc)
+                policies.unreachable(self, request, args, kwargs, settings, token, exc, entry)
                 retake, token = token, secrets.token_hex(16)  # eager: take back what the lost attempt took
                 continue
             if MARKED in headers:  # published under lock_publish: the lock or the line shows it from now on

@@ -3,6 +3,8 @@
 - reset-after-run (``arm(pattern, count)``): the next ``count`` requests containing ``pattern``
   reach Redis, which runs them; the reply is dropped and the client's connection closed (a reply
   lost on the way back: a network reset, a proxy or sidecar restart, ``CLIENT KILL``);
+- refuse (``refuse(pattern, count)``): the next ``count`` requests containing ``pattern`` never
+  reach Redis; the client's connection is closed (a command that met a dead connection);
 - blackout (``blackout(seconds)``): every open connection is closed, and new ones are refused
   (accepted and closed at once) for that many seconds.
 
@@ -29,6 +31,7 @@ class FaultProxy:
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._armed: dict[bytes, int] = {}
+        self._refused: dict[bytes, int] = {}
         self._dark_until = 0.0
         self.dropped: list[bytes] = []
         """The patterns whose reply was dropped, in order."""
@@ -43,9 +46,14 @@ class FaultProxy:
         with self._lock:
             self._armed[pattern] = count
 
+    def refuse(self, pattern: bytes, count: int = 1) -> None:
+        """Close the connection of the next ``count`` requests that contain ``pattern``, unsent."""
+        with self._lock:
+            self._refused[pattern] = count
+
     def left(self, pattern: bytes) -> int:
         with self._lock:
-            return self._armed.get(pattern, 0)
+            return self._armed.get(pattern, 0) + self._refused.get(pattern, 0)
 
     def blackout(self, seconds: float) -> None:
         """Close every connection now, and refuse new ones for ``seconds``."""
@@ -84,6 +92,10 @@ class FaultProxy:
                 if not data:
                     break
                 with self._lock:
+                    refused = next((p for p, n in self._refused.items() if n > 0 and p in data), None)
+                    if refused is not None:
+                        self._refused[refused] -= 1
+                        break
                     for pattern, count in self._armed.items():
                         if count > 0 and pattern in data:
                             self._armed[pattern] = count - 1

@@ -173,6 +173,9 @@ def test_list_show_key_while_tasks_hold_locks(worker_processes, worker_app):
         assert 0 <= item["held_ms"] < WAIT * 1000 and 0 < item["ttl_ms"] <= LOCK_TTL * 1000
         assert item["waiters"] == 1 and item["reserved"] is False
         assert found[other_key]["task_id"] == skipper.id and found[other_key]["waiters"] == 0
+        # a fresh task's fencing token is drawn when an operator first reads it: the one its holder reads
+        fence = found[other_key]["fencing_token"]
+        assert fence and fence == int(lock.get(other_key).split(b" ")[1]), (fence, lock.get(other_key))
 
         out = celery_cli("locks", "list", "--task", "apps.worker_app.gated_skip", "--json")
         assert [item["key"] for item in json.loads(out.stdout)] == [other_key]

@@ -167,3 +167,31 @@ def test_send_writes_what_wire_packs(redis):
     exchange.send(conn, wire.pack_plain(("SET", "w", "v")) + wire.pack_plain(("GET", "w")))
     assert exchange.read(conn, 2) == [b"OK", b"v"]
     server.close()
+
+
+def test_the_private_names_of_redis_py_it_reads_are_there_and_a_push_reaches_its_handler(redis):
+    """The exchange reads redis-py's private ``Connection._sock``, ``_parser.handle_push_response`` and
+    ``redis._parsers.base.BaseParser``. The support matrix runs this on every redis-py we declare: it
+    fails the day one of them changes. A RESP3 invalidation push read by the exchange reaches the
+    handler the user's client set, whatever the handler's signature in that redis-py."""
+    server = LockServer.from_url(redis.url(2), protocol=3)
+    conn = server._held_conn()
+    exchange.send(conn, wire.pack_plain(["PING"]))
+    assert exchange.read(conn) == [b"PONG"]
+    assert type(conn._sock) is socket.socket, "redis-py's Connection._sock is not the plain socket any more"
+    assert callable(conn._parser.handle_push_response)
+    got: list[list[bytes]] = []
+    setter = getattr(conn._parser, "set_invalidation_push_handler", None)
+    if setter is not None:  # (redis-py 5.0's parser only logs pushes)
+        setter(got.append)
+    exchange.send(conn, wire.pack_plain(["CLIENT", "TRACKING", "ON"]) + wire.pack_plain(["GET", "tracked"]))
+    assert exchange.read(conn, 2) == [b"OK", None]
+    redis.client(2).set("tracked", "changed")  # -> an invalidation push on the tracking connection
+    for _ in range(20):  # (the push comes after the SET's reply: it may need a later read)
+        exchange.send(conn, wire.pack_plain(["PING"]))
+        assert exchange.read(conn) == [b"PONG"]
+        if got or setter is None:
+            break
+    if setter is not None:
+        assert got and got[0][0] == b"invalidate", got
+    server.close()

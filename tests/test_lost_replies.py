@@ -206,3 +206,23 @@ def test_a_fresh_acquire_sent_twice_takes_the_key(pair):
         pair.faulty.plain_set = True
     assert clean == ("Lock", True)
     assert lost == clean, f"a fresh acquire sent twice answered {lost!r}"
+
+
+def test_a_take_back_whose_first_attempt_jumped_the_line_hands_the_key_to_the_first_waiter(pair):
+    """A fresh delivery's plain SET took a free key while waiters were in line (their holder's lock had
+    run out); it must give the key back, and that give-back was lost twice. The task's re-send, carrying
+    the first attempt's token, took the key back: ahead of the first waiter. It now finds that it jumped
+    the line, and the key goes to the first waiter, who is sent."""
+    from celery_singleton_lock.engine import fresh, wire
+
+    name = f"jumped-{uuid.uuid4().hex}"
+    key = slot_safe(name)
+    held, entry = holder_and_waiter(pair, name)
+    pair.direct.client.delete(key)  # the holder's lock ran out; its waiter is still in line
+    token = uuid.uuid4().hex
+    took = fresh.take(pair.direct, key, layout.line(key), token, wire.meta("jumper", at=True), 10_000)
+    assert took is fresh.JUMPED, "the plain SET did not jump the line: the test proves nothing"
+    pair.sent.clear()
+    again = pair.direct.acquire(name, 10, owner_id="jumper", retake=token)
+    assert not isinstance(again, Lock), "the re-send took the key back ahead of the first waiter"
+    assert [(h.what, h.entry) for h in pair.sent] == [("run", entry)]

@@ -22,7 +22,7 @@ import pytest
 from _fault_proxy import FaultProxy, sha_of
 from _task_support import assert_no_overlap
 
-from celery_singleton_lock.engine import layout, line_scripts
+from celery_singleton_lock.engine import layout, line_scripts, scripts
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -431,3 +431,43 @@ def test_wake_up_and_unblock_replies_lost_the_handed_waiter_runs_once_from_its_s
     [ran] = [r for r in done if r["tag"] == "dup"]
     assert ran["headers"].get("slot"), ran  # the SLOT copy ran it
     quiet_then_check(env, k, 3)
+
+
+# -- 5. a turn's claim faulted (a waiter with no slot wait: its turn comes as a message) -------------
+
+
+def _turn_with_claim_faulted(env, fault) -> None:
+    """A holder, a duplicate parked behind it, and ``fault`` armed on the claim (the full ACQUIRE with
+    the waiter's entry) before the holder ends: each call runs once, in turn, and nothing twice."""
+    claim = sha_of(scripts.ACQUIRE)
+    k = _key()
+    holder = env.inline.delay(k, 1.0, "holder")
+    started(env, k)
+    dup = env.inline.delay(k, 0.1, "dup")
+    lock_key = env.inline.lock_key_for((k,), {})
+    wait_until(lambda: env.locks.client(2).llen(layout.line(lock_key)) == 1, TIMEOUT, what="the duplicate to park")
+    fault(claim)
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+    assert env.proxy.left(claim) == 0, "the claim was not faulted: the test did not run its fault"
+    done = once_each(env, k, [holder, dup], ["holder", "dup"])
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    quiet_then_check(env, k, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_turns_claim_whose_reply_is_lost_still_runs_the_call(env):
+    """Redis ran the claim and its reply was lost; the client sent it again. The second send found the
+    key held by the waiter's own token and answered "entry gone": the call was dropped as already run,
+    and stayed WAITING for ever."""
+    _turn_with_claim_faulted(env, lambda claim: env.proxy.arm(claim, 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_turns_claim_that_meets_a_dead_connection_twice_is_sent_again_as_the_turn(env):
+    """The claim never reached Redis, twice (the client's own second send too): the call is sent again.
+    That re-send lost its entry, parked as "already parked" and ended; nobody claimed the key reserved
+    for it, and the call failed with LockWaitTimeout. The re-send now carries the entry, and claims."""
+    _turn_with_claim_faulted(env, lambda claim: env.proxy.refuse(claim, 2))

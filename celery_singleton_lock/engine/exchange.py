@@ -24,6 +24,7 @@ connect asks the Sentinels again. An SSL connection, or one not yet open, goes t
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
@@ -162,13 +163,25 @@ _REAL_SOCKET = socket.socket.__module__ == "socket"  # (gevent or eventlet patch
 
 def _hand_on(conn: Any, push: list[Any]) -> None:
     """A push frame (RESP3: a maintenance notice, an invalidation) to redis-py's handlers, as its own
-    parser would have passed it."""
+    parser would have passed it. The parser's ``handle_push_response`` takes the frame alone on
+    redis-py 5.0, two more arguments on 5.1 - 6.1, and keywords from 6.2 on (tests/test_exchange.py
+    runs it on each in the support matrix)."""
     handle = getattr(getattr(conn, "_parser", None), "handle_push_response", None)
-    if handle is not None:
-        try:
+    if handle is None:
+        return
+    try:
+        if _takes_decoding(handle):
+            handle(list(push), disable_decoding=False, push_request=False)
+        else:
             handle(list(push))
-        except Exception:  # (a handler's failure is not the lock's)
-            logger.debug("a push frame from %s was not handled", _where(conn), exc_info=True)
+    except Exception:  # (a handler's failure is not the lock's)
+        logger.warning("a push frame from %s was not handled", _where(conn), exc_info=True)
+
+
+def _takes_decoding(handle: Any) -> bool:
+    """Whether redis-py's ``handle_push_response`` takes ``disable_decoding`` (by name or ``**kwargs``)."""
+    params = inspect.signature(handle).parameters.values()
+    return any(p.name == "disable_decoding" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _spin(fd: int) -> bytes | None:

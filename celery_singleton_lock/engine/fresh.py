@@ -124,6 +124,18 @@ def take(server: Any, key: str, line: str, token: str, meta: str, ttl_ms: int) -
     return 0
 
 
+def with_fence(server: Any, key: str, value: bytes) -> bytes | None:
+    """``value``, a lock read by an operator's tool, with its fencing token: drawn now by FENCE if a
+    fresh task took the lock and has not read it yet. FENCE runs only while that token holds the key,
+    so the token drawn is the one its holder will read. None if the key is no longer that token's.
+    A reservation (``~``) or a cooldown (``=``) has no fence to draw, and is returned as it is."""
+    token, fence, meta = value.split(b" ", 2)
+    if fence != b"0" or value[:1] in (b"~", b"="):
+        return value
+    drawn = int(server.run(FENCE, (key,), (token.decode() + " ",)))
+    return b" ".join((token, str(drawn).encode(), meta)) if drawn else None
+
+
 class FencedLater(Lock):
     """A lock taken by :func:`take`: its fencing token is drawn by FENCE the first time it is read
     (one round trip then; most tasks never read it), and raises :class:`LockLost` if the lock is

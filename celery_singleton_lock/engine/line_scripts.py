@@ -5,7 +5,7 @@ index. They share :mod:`.scripts`' prelude (``_KEYS``: lock, line, waiters, done
 
 from __future__ import annotations
 
-from .kept import kept
+from .kept import as_is, kept
 from .scripts import _HAND_OFF, _KEYS
 
 PARK = _KEYS + """
@@ -220,9 +220,10 @@ CONFIRM = """
 -- The hand-off's message was sent: the sweeper must not send it again, and the
 -- key stays reserved for it until it arrives, however deep the queue, up to
 -- the turn timeout (a purged queue must not block the key forever). Its record
--- lives at least as long. Returns 1 marked, 0 no such handed entry.
+-- lives at least as long. Returns 1 marked (or marked already: this call sent twice), 0 no such
+-- handed entry.
 local rec = redis.call('HGET', KEYS[2], ARGV[1])
-if not rec or string.sub(rec, 2, 2) ~= 'h' then return 0 end
+if not rec or (string.sub(rec, 2, 2) ~= 'h' and string.sub(rec, 2, 2) ~= 'c') then return 0 end
 redis.call('HSET', KEYS[2], ARGV[1], string.sub(rec, 1, 1) .. 'c' .. string.sub(rec, 3))
 local turn = tonumber(ARGV[2])
 local held = redis.call('GET', KEYS[1])
@@ -284,7 +285,10 @@ end
 return 1
 """
 
-# Each call of these is safe to send twice: its reply is kept under its request id (engine/kept.py).
-PARK, TOUCH, SWEEP, UNBLOCK = map(kept, (PARK, TOUCH, SWEEP, UNBLOCK))
-WAKE_AGAIN, CONFIRM, LEAVE = map(kept, (WAKE_AGAIN, CONFIRM, LEAVE))
-INDEX_ADD, INDEX_DUE, INDEX_DONE = map(kept, (INDEX_ADD, INDEX_DUE, INDEX_DONE))
+# Every call of these is safe to send twice (engine/kept.py). These keep their reply under the call's
+# request id: a second send returns the first one's.
+PARK, SWEEP, UNBLOCK, WAKE_AGAIN, LEAVE = map(kept, (PARK, SWEEP, UNBLOCK, WAKE_AGAIN, LEAVE))
+# These are safe as they are, and keep nothing: TOUCH sets a deadline from now; CONFIRM finds its
+# mark made; INDEX_ADD and INDEX_DONE set scores; INDEX_DUE sent twice finds the keys its first send
+# leased (their score moved), so they are looked at when that lease ends, SWEEP_LEASE later.
+TOUCH, CONFIRM, INDEX_ADD, INDEX_DUE, INDEX_DONE = map(as_is, (TOUCH, CONFIRM, INDEX_ADD, INDEX_DUE, INDEX_DONE))

@@ -239,6 +239,8 @@ class LockServer(ScriptClient):
             return Done(reply[1]) if len(reply) > 1 and reply[1] else Verdict.ALREADY_SUCCEEDED
         if status == 3:
             return Verdict.ENTRY_GONE
+        if len(reply) > 3:  # a take-back whose first attempt jumped the line: the key went to its head
+            self.dispatch(tuple(Handoff.parse(key, item) for item in reply[3:]))
         return Holder.parse(key, reply[1], int(reply[2]))
 
     def _take(self, key: str, token: str, owner_id: str | None, ttl: float) -> Any:
