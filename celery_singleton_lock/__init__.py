@@ -61,4 +61,4 @@ __all__ = [
     "lock_lost",
 ]
 
-__version__ = "0.2.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
+__version__ = "0.3.0.dev0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)

@@ -20,6 +20,8 @@ A waiter that times out in line (``lock_max_wait``) fails its merged calls with 
 them with the same error, from the worker's main process; one revoked while waiting sends them
 again. A merged call revoked while it waits leaves its waiter's merged calls (REVOKED), and a
 redelivery of a merged call stays merged (``K:mo:<task id>``): its waiter's run covers it once.
+A covering run that outlives the merged calls' records (they live the waiter's deadline plus ten
+minutes) settles the calls it took at its start, less those stored as REVOKED since.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signature
 from celery.app.task import Context
 from celery.signals import task_failure
-from celery.states import FAILURE, SUCCESS
+from celery.states import FAILURE, REVOKED, SUCCESS
 from kombu.serialization import loads
 
 from .engine import dedupe, layout
@@ -69,9 +71,11 @@ def settle(task: Any, request: Any, state: str | None, value: Any = None, exc: B
     merged = request.__dict__.pop(MERGED, None)
     if not merged:
         return
-    server, key, owner, _ = merged
+    server, key, owner, taken = merged
     try:  # read again: a call revoked while this ran has left them
         calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
+        if not calls:  # none left: all revoked, or their records ran out under a long run
+            calls = [call for call in taken if not _revoked(task, call)]
     except LockError as exc:
         logger.warning("lock %s: the merged calls of %s could not be read (%s); they are sent again", key, owner, exc)
         calls, state = merged[3], None
@@ -131,6 +135,16 @@ def _lost_run(sender: Any = None, task_id: str = "", exception: Any = None, args
         fail_all(sender, sender.lock_server(), sender.lock_key_for(args, kwargs), task_id, exception)
     except Exception:
         logger.exception("task %s[%s]: failing the calls merged into a lost run failed", sender.name, task_id)
+
+
+def _revoked(task: Any, call: dict[str, Any]) -> bool:
+    """Whether ``call`` was revoked, by its stored state (False where no result is stored)."""
+    if task.ignore_result:
+        return False
+    try:
+        return bool(task.backend.get_task_meta(_id(call)).get("status") == REVOKED)
+    except Exception:  # (no result backend)
+        return False
 
 
 def _succeed(task: Any, call: dict[str, Any], value: Any) -> None:

@@ -120,6 +120,28 @@ def test_merged_calls_do_not_stay_waiting_when_their_waiter_run_is_killed(env):
     wait_until(lambda: state_of(m) != "WAITING", 30, what="the merged call to leave WAITING")
 
 
+def test_merged_calls_are_settled_when_their_records_expired_during_a_long_run(env):
+    """The merged calls' records live the waiter's deadline plus ten minutes from the merge. A covering
+    run that outlived them found nothing to settle at its end: the merged calls stayed WAITING for ever.
+    (Their expiry is made here by deleting them once the covering run has started.)"""
+    from celery_singleton_lock.engine import layout
+
+    key = _key()
+    holder = env.refresh.delay(key, 1.0, "holder")
+    started(env, key)
+    first = env.refresh.delay(key, 0.0, "first")
+    wait_until(lambda: state_of(first) == "WAITING", TIMEOUT, what="the first duplicate to park")
+    m = env.refresh.delay(key, 2.0, "slow")  # merged: the follow-up runs 2 s with these arguments
+    wait_until(lambda: state_of(m) == "WAITING", TIMEOUT, what="the merged call to wait")
+    holder.get(timeout=TIMEOUT)
+    started(env, key, 2)  # the covering run has taken its merged calls
+    ids, msgs = layout.merged(env.refresh.lock_key_for((key,), {}), first.id)
+    assert env.server.client(2).delete(ids, msgs) == 2, "no merged records to expire: the test proves nothing"
+    assert first.get(timeout=TIMEOUT)["tag"] == "slow"
+    wait_until(lambda: state_of(m) != "WAITING", 10, what="the merged call to leave WAITING")
+    assert state_of(m) == "SUCCESS"
+
+
 def test_merged_calls_live_as_long_as_their_waiters_reservation(env):
     """PARK gives K:m:<entry> the waiter's deadline + 60 s; CONFIRM keeps the key reserved for the
     handed waiter up to turn_timeout (300 s), "however deep the queue". A waiter handed near its

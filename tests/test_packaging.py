@@ -26,8 +26,11 @@ from pathlib import Path
 
 import pytest
 
+import celery_singleton_lock
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "celery_singleton_lock"
+VERSION = celery_singleton_lock.__version__
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -92,7 +95,9 @@ def test_the_wheel_holds_the_package_and_its_metadata(dists: tuple[Path, Path, s
     assert "License-File: LICENSE" in metadata and f"{dist_info}/licenses/LICENSE" in names
     assert "Project-URL: Repository, https://github.com/celery-singleton-lock/celery-singleton-lock" in metadata
     assert "Classifier: Development Status :: 3 - Alpha" in metadata
-    assert "Version: 0.2.0" in metadata
+    assert f"Version: {VERSION}" in metadata
+    for extra in ("etcd", "prometheus", "pytest"):  # each extra the docs name, published by that name
+        assert f"Provides-Extra: {extra}" in metadata, extra
     # the contributors' tools are a dependency group, never a published extra
     assert "Provides-Extra: test" not in metadata and "mkdocs" not in metadata
 
@@ -223,4 +228,4 @@ def test_the_readme_quick_start_runs_from_the_wheel_as_written(wheel_only_venv: 
     assert "site-packages" in where and str(ROOT) not in where, where
     assert "is a duplicate: lock singleton_lock:tasks.charge:" in log, log[-3000:]
     listed = run([str(wheel_only_venv), "-m", "pip", "list", "--format=freeze"], cwd=tmp_path, env=env)
-    assert "celery-singleton-lock==0.2.0" in listed and "pytest" not in listed.lower(), listed
+    assert f"celery-singleton-lock=={VERSION}" in listed and "pytest" not in listed.lower(), listed
