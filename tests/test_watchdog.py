@@ -59,10 +59,9 @@ def renewals(mon: Monitor, key: str | None = None) -> list[tuple[float, list[str
     return out
 
 
-BUSY_SCRIPT = (
-    "local t0 = redis.call('TIME') local s = t0[1] * 1e6 + t0[2] "
-    "repeat local t = redis.call('TIME') until t[1] * 1e6 + t[2] - s > tonumber(ARGV[1]) return 1"
-)
+BUSY_SCRIPT = "local n = 0 for i = 1, tonumber(ARGV[1]) do n = n + i end return 1"
+"""A script that keeps the server busy for ARGV[1] loop turns (TIME cannot time it: Valkey freezes
+TIME within a script), so the turns for a given time are measured against the server first."""
 
 
 class SlowRedis:
@@ -71,12 +70,16 @@ class SlowRedis:
     def __init__(self, server: RedisServer, busy: float = 0.06, every: float = 0.15) -> None:
         self.client = server.client(2)
         self.busy, self.every = busy, every
+        turns = 1_000_000
+        started = time.perf_counter()
+        self.client.eval(BUSY_SCRIPT, 0, turns)  # the server's speed, measured first
+        self.turns = max(1, int(turns * busy / max(time.perf_counter() - started, 1e-6)))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
-            self.client.eval(BUSY_SCRIPT, 0, int(self.busy * 1e6))
+            self.client.eval(BUSY_SCRIPT, 0, self.turns)
 
     def __enter__(self) -> SlowRedis:
         self._thread.start()

@@ -303,6 +303,8 @@ def _parse_monitor_line(line: bytes | str) -> tuple[float, int, str, list[str]]:
             i += 1
         words.append(word.decode("utf-8", "replace"))
         i += 1
+    if words:  # the command's name as Redis shows it (Valkey shows every name in lower case)
+        words[0] = words[0].upper()
     return float(stamp), int(db), client.decode(), words
 
 
