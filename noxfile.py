@@ -27,6 +27,7 @@ class Combo:
     redis_py: str
     server: str  # "redis-6.2", "redis-7" or "valkey"
     corner: bool = False
+    kombu: str = ""  # the kombu of that Celery's time (the newest kombu 5.x asks a newer redis-py)
 
     @property
     def name(self) -> str:
@@ -36,20 +37,22 @@ class Combo:
     def requirements(self) -> list[str]:
         pins = [f"celery[redis]=={self.celery}" if self.celery else "celery[redis]",
                 f"redis=={self.redis_py}" if self.redis_py else "redis"]
-        if self.celery.startswith("5.3."):
-            pins.append(f"kombu=={self.celery}")  # Celery 5.3's own kombu, as its users have it
+        if self.kombu:
+            pins.append(f"kombu=={self.kombu}")
         return pins
 
 
+# Each Celery's redis extra bounds redis-py (through kombu): 5.4 and 5.5 take at most 5.2.1, 5.6 at
+# least 6.1. Every version the README's table names stands in at least one session.
 MATRIX = [
-    Combo("3.10", "5.3.0", "5.0.0", "redis-6.2", corner=True),  # the oldest of everything we declare
+    Combo("3.10", "5.3.0", "5.0.0", "redis-6.2", corner=True, kombu="5.3.0"),  # the oldest of everything
     Combo("3.13", "", "", "valkey", corner=True),  # the newest of everything
-    Combo("3.11", "5.4.0", "5.2.1", "redis-7"),
-    Combo("3.12", "5.5.3", "5.3.1", "redis-7"),
+    Combo("3.11", "5.4.0", "5.2.1", "redis-7", kombu="5.4.2"),
+    Combo("3.12", "5.5.3", "5.0.8", "redis-6.2", kombu="5.5.4"),
     Combo("3.11", "5.6.3", "6.1.0", "valkey"),
-    Combo("3.12", "", "", "redis-6.2"),
+    Combo("3.12", "", "", "redis-7"),
     Combo("3.10", "", "", "redis-7"),
-    Combo("3.13", "5.5.3", "", "redis-7"),
+    Combo("3.13", "5.5.3", "5.2.1", "redis-7", kombu="5.5.4"),
 ]
 
 CORE = [

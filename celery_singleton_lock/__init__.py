@@ -26,7 +26,7 @@ from .exceptions import (
     SelfDeadlock,
 )
 from .ops import control as _control  # noqa: F401  (registers the `celery inspect locks` command)
-from .policies import WAITING
+from .parked import WAITING
 from .signals import duplicate_coalesced, duplicate_skipped, lock_acquired, lock_lost, lock_released, publish_joined
 from .task import LockedTask
 from .topologies.plain import held

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from celery import states
 from celery.exceptions import Ignore, Retry, TaskRevokedError
 
-from . import config, handoff, identity
+from . import config, handoff, identity, parked
 from .compat import eager_result, get_actual_ignore_result
 from .decide import Action
 from .engine import line as queue
@@ -28,17 +28,14 @@ from .exceptions import (
     LockBackendUnavailable,
     LockContended,
     LockError,
-    LockWaitTimeout,
     SelfDeadlock,
 )
 from .headers import BACKOFF, ENTRY, MARKED, PARKED_AT, REDELIVERED, SLOT, TOKEN, UNREACHABLE
+from .parked import WAITING
 from .signals import duplicate_coalesced, duplicate_skipped
 
 logger = logging.getLogger("celery_singleton_lock")
 
-WAITING = "WAITING"
-"""The result state of a task parked in a key's line (not ready; it becomes the task's own
-end state once its turn came and it ran)."""
 
 
 def has_line(server: LockBackend, request: Any) -> bool:
@@ -56,14 +53,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     same = action is Action.PARK_SAME
     first = action not in (Action.PARK, Action.COALESCE)
     holder_id = outcome.owner_id if isinstance(outcome, Holder) else request.id
-    wait = settings.max_wait
-    parked_at = handoff.first_parked_at(request)
-    if parked_at is not None:  # a copy of a waiting task: lock_max_wait counts from its FIRST park
-        wait -= time.time() - parked_at
-        if wait <= 0:
-            if entry:  # its old place, if it still has one, goes: the line moves on
-                queue.leave(server, key, entry)
-            raise LockWaitTimeout(key, settings.max_wait)
+    wait = parked.wait_left(request, settings, server, key, entry)
     message = handoff.pack(task, request, args, kwargs)
     entry = entry or queue.entry_for(request.id, request.retries)
     # a fresh "retry" duplicate, or a copy sent ahead of its turn (or one that lost its reservation),
@@ -110,41 +100,40 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     sweeping.get_sweeper().remember(server, key, entry, request.id, settings.ttl, message)
     sweeping.get_sweeper().watch(server, settings.index)
     if block and not already and isinstance(server, LockServer):
-        try:
-            got = _in_slot(task, request, args, kwargs, settings, server, key, entry, token)
-        except LockError as exc:  # (with a token) it may have been made the key's owner: sent again with it
-            _slot_again(task, request, args, kwargs, settings, server, token, entry,
-                        f"waiting in its worker slot failed ({exc}); whether it was handed the key is unknown")
-            return None
-        if got == queue.UNKNOWN:  # (its place went with the data: its process's sweeper sends it again)
-            logger.warning("task %s[%s]: its place in the line of lock %s was lost with the lock Redis's data "
-                           "while it waited in its slot; sent again by the sweeper", task.name, request.id, key)
-            raise Ignore(f"its place in the line of lock {key} was lost: the sweeper sends it again")
-        if got == queue.LAPSED:
-            _slot_again(task, request, args, kwargs, settings, server, token, entry,
-                        "it was handed the key while it waited in its worker slot, and that lock ran out "
-                        "before it learnt so (the process was stopped or starved)")
-            return None
-        if isinstance(got, queue.Handed):
-            return _handed(task, request, args, kwargs, settings, server, key, entry, token, got.fence, sent)
-        if isinstance(got, Lock):
-            return got
-    own = holder_id == request.id
-    if not own and not get_actual_ignore_result(task, request):
-        task.backend.store_result(
-            request.id, {"key": key, "place": place, "holder": holder_id, "entry": entry}, WAITING, request=request
-        )
-    logger.info(
-        "task %s[%s] waits in line for lock %s (place %d, held by %s)%s%s",
-        task.name, request.id, key, place, holder_id,
-        " as a redelivered copy of the running task" if same else "",
-        ": it was parked already, this delivery ends" if already else "",
-    )
-    duplicate_skipped.send(
-        sender=task, key=key, task_id=request.id, holder_task_id=holder_id,
-        policy="redelivery" if own else "retry",
-    )
-    raise Ignore(f"waiting in line for lock {key}")
+        got = _slot_wait(task, request, args, kwargs, settings, server, key, entry, token, sent)
+        if got is not _STILL_PARKED:
+            return got if isinstance(got, Lock) else None
+    parked.ends_waiting(task, request, key, place, holder_id, entry, same, already)
+
+
+_STILL_PARKED = object()
+"""What :func:`_slot_wait` returns when the wait in the slot ended with the call still in line."""
+
+
+def _slot_wait(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
+               key: str, entry: str, token: str, sent: float) -> Lock | None | object:
+    """A parked call waits in its worker slot (``lock_wait_in_slot``): the Lock when it was handed the
+    key there, None when it was sent again (try again: only in eager mode), or :data:`_STILL_PARKED`."""
+    try:
+        got = _in_slot(task, request, args, kwargs, settings, server, key, entry, token)
+    except LockError as exc:  # (with a token) it may have been made the key's owner: sent again with it
+        _slot_again(task, request, args, kwargs, settings, server, token, entry,
+                    f"waiting in its worker slot failed ({exc}); whether it was handed the key is unknown")
+        return None
+    if got == queue.UNKNOWN:  # (its place went with the data: its process's sweeper sends it again)
+        logger.warning("task %s[%s]: its place in the line of lock %s was lost with the lock Redis's data "
+                       "while it waited in its slot; sent again by the sweeper", task.name, request.id, key)
+        raise Ignore(f"its place in the line of lock {key} was lost: the sweeper sends it again")
+    if got == queue.LAPSED:
+        _slot_again(task, request, args, kwargs, settings, server, token, entry,
+                    "it was handed the key while it waited in its worker slot, and that lock ran out "
+                    "before it learnt so (the process was stopped or starved)")
+        return None
+    if isinstance(got, queue.Handed):
+        return _handed(task, request, args, kwargs, settings, server, key, entry, token, got.fence, sent)
+    if isinstance(got, Lock):
+        return got
+    return _STILL_PARKED
 
 
 def _in_slot(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,

@@ -34,14 +34,13 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import task_postrun
 from celery.states import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS
 
-from . import coalescing, config, handoff, identity, keys, options, policies, publishing, releasing
+from . import arrival, coalescing, config, handoff, identity, keys, options, policies, publishing, releasing
 from .decide import Action, Delivery, decide
-from .engine import line as queue
 from .engine import reentry
-from .engine.lock import Done, Holder, Lock, Verdict
-from .engine.server import LockBackend, LockServer
-from .exceptions import LockBackendUnavailable, LockError, LockWaitTimeout
-from .headers import ENTRY, EXPIRED, MARKED, REDELIVERED, SLOT, TOKEN
+from .engine.lock import Done, Holder, Lock
+from .engine.server import LockBackend
+from .exceptions import LockBackendUnavailable, LockError
+from .headers import ENTRY, MARKED, REDELIVERED, SLOT, TOKEN
 from .headers import PREFIX as HEADER_PREFIX
 from .signals import lock_acquired, lock_lost
 from .watchdog.process import get_watchdog
@@ -198,24 +197,11 @@ class LockedTask(Task):
 
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
         super().before_start(task_id, args, kwargs)
-        mine = self.__dict__
-        settings = mine.get("_singleton_lock_settings") or self.lock_settings()
-        request = self.request
-        headers = request.headers or {}
-        key = mine["_singleton_lock_keys"](args, kwargs)  # keys.derive, with the per-task part done once
+        settings = self.__dict__.get("_singleton_lock_settings") or self.lock_settings()
+        request, headers = self.request, self.request.headers or {}
+        key = self.__dict__["_singleton_lock_keys"](args, kwargs)  # keys.derive, the per-task part done once
         server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
-        if headers.get(EXPIRED):
-            expired = LockWaitTimeout(key, settings.max_wait)
-            if settings.on_duplicate == "coalesce":
-                coalescing.fail_all(self, server, key, task_id, expired)
-            raise expired
-        slot_looked = False
-        while headers.get(SLOT) and isinstance(server, LockServer):  # a slot waiter's re-send: did its entry run?
-            try:
-                slot_looked = policies.slot_copy(self, request, server, key, headers[SLOT], headers.get(TOKEN) or "")
-                break
-            except LockBackendUnavailable as exc:  # sent again, as when the acquire cannot reach Redis
-                policies.unreachable(self, request, args, kwargs, settings, headers.get(TOKEN) or "", exc)
+        slot_looked = arrival.first_look(self, request, args, kwargs, settings, server, key)
         resent = bool(headers.get(REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
         redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
         entry = headers.get(ENTRY) or None
@@ -236,12 +222,7 @@ class LockedTask(Task):
                 publishing.started(self, request, key, server)
                 headers = {}
             if isinstance(outcome, Lock):  # the common case, first: no table to consult
-                if resent and identity.succeeded(self, request):  # (see identity.succeeded)
-                    outcome.release()
-                    policies.refuse(self, Action.DROP, request, settings, key, Verdict.ALREADY_SUCCEEDED)
-                if identity.other_copy_ran(self, request, slot_looked):  # (a copy after a loss of the data)
-                    outcome.release()
-                    policies.refuse(self, Action.DROP, request, settings, key, Verdict.ENTRY_GONE)
+                arrival.drop_if_ran(self, request, settings, key, outcome, resent, slot_looked)
                 return self._run_with(outcome, request, settings)
             if who is None:
                 who = identity.delivery(self, request, settings.on_duplicate, policies.has_line(server, request),
@@ -262,16 +243,9 @@ class LockedTask(Task):
             if action is Action.REENTER:
                 return self._reenter(request, key)
             if action is Action.WAIT_HERE:
-                assert isinstance(server, LockServer)  # decide() waits in a line only where there is one
-                got = queue.wait_turn(server, key, settings.ttl, owner_id=task_id, wait=settings.max_wait)
-                if isinstance(got, Lock):
-                    return self._run_with(got, request, settings)
-                raise LockWaitTimeout(key, settings.max_wait)
-            if action is Action.BACKOFF:
-                publishing.queued_again(self, request, key, server)
-                same = isinstance(outcome, Holder) and outcome.owner_id == task_id  # a copy of the running call
-                policies.backoff(self, request, args, kwargs, settings, outcome,
-                                 redelivered=who.redelivered and (same or not who.never_ran))
+                return self._run_with(arrival.wait_here(server, key, settings, task_id), request, settings)
+            if action is Action.BACKOFF:  # (returns only in eager mode, to try again)
+                arrival.back_off(self, request, args, kwargs, settings, server, key, outcome, who)
                 continue
             if action in (Action.PARK, Action.PARK_FIRST, Action.PARK_SAME, Action.COALESCE):
                 assert server.supports_line  # decide() parks only where there is a line

@@ -1,4 +1,5 @@
-"""The app that tools/line_chaos.py's workers run: an inventory deduction that waits in line.
+"""The app that tools/line_chaos.py's workers run: an inventory deduction that waits in line, and a
+read that a running one makes pointless (skipped).
 
 Broker and results on one private Redis (``CSL_CHAOS_BROKER``, dbs 0 and 1), the lock on
 ANOTHER private Redis (``CSL_CHAOS_LOCK``) so that the chaos can flush or restart the lock
@@ -36,6 +37,16 @@ journal = redis.Redis.from_url(f"{BROKER}/3")
 
 @app.task(base=LockedTask, bind=True, lock_key=["sku"], on_duplicate="retry")
 def deduct(self, sku: str, order: str, body_ms: int = 40) -> str:
+    journal.rpush(f"start:{sku}", f"{order} {time.time()} {os.getpid()} {self.lock.fencing_token}")
+    time.sleep(body_ms / 1000 * random.uniform(0.5, 1.5))
+    journal.rpush(f"end:{sku}", f"{order} {time.time()} {os.getpid()}")
+    journal.hincrby("done", order, 1)
+    return order
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["sku"], on_duplicate="skip")
+def peek(self, sku: str, order: str, body_ms: int = 20) -> str:
+    """A read of the SKU that a running one makes pointless: a duplicate is skipped (REVOKED)."""
     journal.rpush(f"start:{sku}", f"{order} {time.time()} {os.getpid()} {self.lock.fencing_token}")
     time.sleep(body_ms / 1000 * random.uniform(0.5, 1.5))
     journal.rpush(f"end:{sku}", f"{order} {time.time()} {os.getpid()}")

@@ -28,11 +28,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
-from ..exceptions import LockLost
+from ..exceptions import LockError, LockLost
+from . import layout, wire
 from .kept import as_is
-from .lock import Lock
+from .lock import Lock, ms
 
 ACQUIRE_FRESH = """
 -- KEYS[1] lock, KEYS[2] line; ARGV[1] token, ARGV[2] metadata (JSON), ARGV[3] ttl ms.
@@ -134,6 +135,27 @@ def with_fence(server: Any, key: str, value: bytes) -> bytes | None:
         return value
     drawn = int(server.run(FENCE, (key,), (token.decode() + " ",)))
     return b" ".join((token, str(drawn).encode(), meta)) if drawn else None
+
+
+def take_plain(server: Any, key: str, token: str, owner_id: str | None, ttl: float) -> Any:
+    """The fresh acquire without a script (:func:`take`), as ACQUIRE_FRESH would reply; None where the
+    server cannot (then ``server.plain_set`` is False from now on). A free key taken while waiters are
+    in line is given back (the full RELEASE hands it to the first of them): the caller is told the key
+    is queued, and parks."""
+    try:
+        reply = take(server, key, layout.line(key), token, wire.meta(owner_id, at=True), ms(ttl))
+    except RedisError as exc:
+        raise server.error(exc, key) from exc
+    if reply is None:
+        server.plain_set = False  # Redis 6.2: SET takes NX or GET, not both
+    elif reply is JUMPED:
+        jumped = Lock(server, key, token, 0, ttl, owner_id)
+        try:  # again=True: the full RELEASE, which hands the key to the first waiter
+            server.release(jumped, again=True)
+        except LockError:  # sent once more: if the first did run, this one returns its hand-off, sent now;
+            server.release(jumped, again=True)  # if both fail, the task's re-send finds the jump (ACQUIRE)
+        return [0, "", -2]
+    return reply
 
 
 class FencedLater(Lock):

@@ -30,7 +30,7 @@ from ..exceptions import LockBackendUnavailable, LockError
 from . import fresh as fresh_path
 from . import layout, line_scripts, scripts, wire
 from .addresses import redact_url
-from .lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
+from .lock import Backend, Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
 from .plumbing import DEFAULT_REPLICA_TIMEOUT, ScriptClient, Unreplicated
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -47,15 +47,15 @@ HandoffSender = Callable[[Any, Handoff], bool]
 """How a server sends a waiter's message (the Celery side's ``handoff.send``): (server, hand-off) -> sent."""
 
 
-class LockBackend(Protocol):
+class LockBackend(Backend, Protocol):
     """What the Celery side, the watchdog and ``held()`` need of a lock server, whatever its
     topology: :class:`LockServer` (one Redis, and its Sentinel and Cluster subclasses) and the
     quorum of masters (:class:`~celery_singleton_lock.topologies.quorum.QuorumLockServer`, which
     is not a LockServer: it has no single Redis to run a script on), and etcd. One Redis orders its
     waiting line with the scripts of :mod:`.line`; etcd has lines of its own (``waiting``: see
-    :class:`.line.Waiting`); a quorum has none (``supports_line`` False)."""
+    :class:`.line.Waiting`); a quorum has none (``supports_line`` False). It is all a :class:`.lock.Lock`
+    needs of its server (:class:`.lock.Backend`: release, renew, renew_many), and more."""
 
-    url: str
     client: Any
     """A plain client for reads that take no lock (operators, beat's run record): a quorum's first member's."""
     supports_line: bool
@@ -67,14 +67,6 @@ class LockBackend(Protocol):
     def acquire(self, name: str, ttl: float, *, owner_id: str | None = None, token: str | None = None,
                 entry: str | None = None, check_done: bool = False,
                 retake: str | None = None) -> Lock | Holder | Verdict | Done: ...
-
-    def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
-                again: bool = False, retries: int = 0, cooldown: float = 0.0,
-                presend: float = 0.0) -> Released: ...
-
-    def renew(self, lock: Lock) -> bool: ...
-
-    def renew_many(self, locks: Sequence[Lock], *, chunk: int = 500) -> list[bool | LockError]: ...
 
     def with_timeout(self, seconds: float) -> LockBackend: ...
 
@@ -201,7 +193,7 @@ class LockServer(ScriptClient):
             reply: Any = None
             fresh = not (entry or take_back or check_done)
             if fresh and self.plain_set and not self.min_replicas:  # a fresh delivery: no script at all
-                reply = self._take(key, token, owner_id, ttl)
+                reply = fresh_path.take_plain(self, key, token, owner_id, ttl)
             if fresh and reply is None:  # (Redis 6.2, or replicas to wait for: the small script)
                 reply = self.run(scripts.ACQUIRE_FRESH, (key, layout.line(key)), (token, wire.meta(owner_id), ms(ttl)),
                                  replicated=True)
@@ -219,6 +211,13 @@ class LockServer(ScriptClient):
                 fence = reply if type(reply) is int else int(reply[1])
                 self._give_back_unreplicated(Lock(self, key, token, fence, ttl, owner_id, confirmed_at=sent),
                                              short.acked)
+        return self._outcome(key, token, ttl, owner_id, sent, reply)
+
+    def _outcome(self, key: str, token: str, ttl: float, owner_id: str | None, sent: float,
+                 reply: Any) -> Lock | Holder | Verdict | Done:
+        """An acquire's reply, decoded: taken (the fence alone, from ACQUIRE_FRESH; or {1, fence}), held
+        ({0, value, pttl}, hand-offs after it when a take-back handed the key on), done ({2, value}) or
+        the entry gone ({3})."""
         if type(reply) is int:  # ACQUIRE_FRESH's reply when taken: the fence alone
             status, fence = 1, reply
         else:
@@ -242,25 +241,6 @@ class LockServer(ScriptClient):
         if len(reply) > 3:  # a take-back whose first attempt jumped the line: the key went to its head
             self.dispatch(tuple(Handoff.parse(key, item) for item in reply[3:]))
         return Holder.parse(key, reply[1], int(reply[2]))
-
-    def _take(self, key: str, token: str, owner_id: str | None, ttl: float) -> Any:
-        """The fresh acquire without a script (:func:`.fresh.take`); None where the server cannot.
-        A free key taken while waiters are in line is given back (and so handed to the first of
-        them, the full RELEASE's way): the caller is told the key is queued, and parks."""
-        try:
-            reply = fresh_path.take(self, key, layout.line(key), token, wire.meta(owner_id, at=True), ms(ttl))
-        except RedisError as exc:
-            raise self.error(exc, key) from exc
-        if reply is None:
-            self.plain_set = False  # Redis 6.2: SET takes NX or GET, not both
-        elif reply is fresh_path.JUMPED:
-            jumped = Lock(self, key, token, 0, ttl, owner_id)
-            try:  # again=True: the full RELEASE, which hands the key to the first waiter
-                self.release(jumped, again=True)
-            except LockError:  # sent once more: if the first did run, this one returns its hand-off, sent now
-                self.release(jumped, again=True)
-            return [0, "", -2]
-        return reply
 
     def _give_back_unreplicated(self, lock: Lock, acked: int) -> None:
         """A lock too few replicas acknowledged: given back, and the acquire fails as unavailable."""

@@ -38,7 +38,7 @@ from ..engine import layout
 from ..engine.line import CLAIM, TOOK_ITS_TURN, AlreadyParked
 from ..engine.lock import Handoff, Holder, ms, slot_safe
 from .etcd_session import DoneLeases, Transport, b64, unb64
-from .etcd_txn import _compare_create, _compare_value, _kvs, _put, _range
+from .etcd_txn import _compare_create, _compare_value, _kvs, _put, _range, prefix_range
 
 
 class Server(Protocol):
@@ -83,20 +83,6 @@ def record(kind: str, deadline_ms: int, ttl_ms: int, owner: str, message: bytes)
     return f"{kind}p\n{deadline_ms}\n{ttl_ms}\n{owner}\n".encode() + message
 
 
-def _prefix_range(prefix: str, *, limit: int = 0, keys_only: bool = False, count_only: bool = False,
-                  by_revision: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {"key": b64(prefix), "range_end": b64(layout.prefix_end(prefix))}
-    if limit:
-        body["limit"] = str(limit)
-    if keys_only:
-        body["keys_only"] = True
-    if count_only:
-        body["count_only"] = True
-    if by_revision:
-        body.update(sort_order="ASCEND", sort_target="CREATE")
-    return {"request_range": body}
-
-
 def line_is_empty(key: str) -> dict[str, Any]:
     """The compare "nobody waits for ``key``" (etcd compares every key of a range; none: true)."""
     prefix = layout.etcd_line(key)
@@ -106,7 +92,7 @@ def line_is_empty(key: str) -> dict[str, Any]:
 
 def anyone_waits(key: str) -> dict[str, Any]:
     """The read whose reply says whether anyone waits for ``key`` (at most one key, no value)."""
-    return _prefix_range(layout.etcd_line(key), limit=1, keys_only=True)
+    return prefix_range(layout.etcd_line(key), limit=1, keys_only=True)
 
 
 def _keys(name: str) -> dict[str, Any]:  # the read of whether ``name`` exists (no value)
@@ -217,8 +203,8 @@ class EtcdLine:
         if again:  # the copy of a waiter moves to its band
             ops.append(_delete(waiter_key(key, "1" if first else "0", entry)))
         ops += [_keys(lock), _keys(turn),
-                _prefix_range(layout.etcd_line(key) + "0", count_only=True),
-                _prefix_range(layout.etcd_line(key) + "1", count_only=True)]
+                prefix_range(layout.etcd_line(key) + "0", count_only=True),
+                prefix_range(layout.etcd_line(key) + "1", count_only=True)]
         r = self._txn([], ops, [], key).get("responses") or []
         n = len(ops) - 4
         place = _count(r[n + 2]) + (_count(r[n + 3]) if band == "1" else 0)
@@ -257,7 +243,7 @@ class EtcdLine:
         """``name``'s waiters, first to last, and the entry the key is reserved for ('' none)."""
         key = slot_safe(name)
         reads = [_range(layout.etcd_turn(key)),
-                 *(_prefix_range(layout.etcd_line(key) + b, by_revision=True) for b in layout.ETCD_BANDS)]
+                 *(prefix_range(layout.etcd_line(key) + b, by_revision=True) for b in layout.ETCD_BANDS)]
         r = self._txn([], reads, [], key).get("responses") or []
         reserved = unb64(_kvs(r[0])[0].get("value")).decode() if _kvs(r[0]) else ""
         return self._waiters(key, r[1:]), reserved
@@ -269,7 +255,7 @@ class EtcdLine:
     def count(self, name: str) -> int:
         """How many wait for ``name``."""
         key = slot_safe(name)
-        reply = self.server.transport.call("/kv/range", _prefix_range(layout.etcd_line(key), count_only=True)
+        reply = self.server.transport.call("/kv/range", prefix_range(layout.etcd_line(key), count_only=True)
                                            ["request_range"], key)
         return int(reply.get("count", 0) or 0)
 
@@ -286,7 +272,7 @@ class EtcdLine:
         lock, turn = layout.etcd_lock(key), layout.etcd_turn(key)
         for _ in range(8):  # a waiter that left between the look and the txn: look again
             reads = [_keys(lock), _keys(turn),
-                     *(_prefix_range(layout.etcd_line(key) + b, limit=HEADS, by_revision=True)
+                     *(prefix_range(layout.etcd_line(key) + b, limit=HEADS, by_revision=True)
                        for b in layout.ETCD_BANDS)]
             r = self._txn([], reads, [], key).get("responses") or []
             if _kvs(r[0]) or _kvs(r[1]):
@@ -316,7 +302,7 @@ class EtcdLine:
         AND reserve the key for the first live waiter in ONE txn, so that no sweeper or newcomer acts in
         between. (Whether it released, the hand-off to send.)"""
         for _ in range(8):  # a waiter that left between the look and the txn: look again
-            reads = [_prefix_range(layout.etcd_line(key) + b, limit=HEADS, by_revision=True) for b in layout.ETCD_BANDS]
+            reads = [prefix_range(layout.etcd_line(key) + b, limit=HEADS, by_revision=True) for b in layout.ETCD_BANDS]
             now = _now_ms()
             waiters = self._waiters(key, self._txn([], reads, [], key).get("responses") or [])
             chosen = next((w for w in waiters if w.record.deadline_ms > now), None)
@@ -348,7 +334,7 @@ class EtcdLine:
     def sweep_all(self, sweepable: Callable[[str], bool]) -> int:
         """One look at every key with a line: time out the waiters past their deadline, hand on a
         free key, drop the key from the index once its line is empty. Returns the hand-offs made."""
-        reply = self.server.transport.call("/kv/range", _prefix_range(layout.ETCD_WAITING, keys_only=True)
+        reply = self.server.transport.call("/kv/range", prefix_range(layout.ETCD_WAITING, keys_only=True)
                                            ["request_range"])
         made = 0
         for kv in reply.get("kvs") or []:
@@ -369,7 +355,7 @@ class EtcdLine:
     def sweep(self, key: str) -> list[Handoff]:
         """One look at ``key``'s line (see :meth:`sweep_all`); the hand-offs to send."""
         reads = [_range(layout.etcd_turn(key))] + [
-            _prefix_range(layout.etcd_line(key) + b, by_revision=True) for b in layout.ETCD_BANDS]
+            prefix_range(layout.etcd_line(key) + b, by_revision=True) for b in layout.ETCD_BANDS]
         r = self._txn([], reads, [], key).get("responses") or []
         reserved = unb64(_kvs(r[0])[0].get("value")).decode() if _kvs(r[0]) else ""
         now, out = _now_ms(), []
@@ -390,7 +376,7 @@ class EtcdLine:
     def remove(self, owner_id: str) -> list[str]:
         """Take task ``owner_id`` out of every line (a revoke): the keys it left."""
         prefix = layout.ETCD_ROOT + "line/"
-        reply = self.server.transport.call("/kv/range", _prefix_range(prefix)["request_range"])
+        reply = self.server.transport.call("/kv/range", prefix_range(prefix)["request_range"])
         left = []
         for kv in reply.get("kvs") or []:
             waiter = layout.Waiter.parse(unb64(kv.get("value")))

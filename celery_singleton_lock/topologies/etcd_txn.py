@@ -97,3 +97,19 @@ class Doubts:
             except LockError:
                 continue
             self.forget(key, token)
+
+
+def prefix_range(prefix: str, *, limit: int = 0, keys_only: bool = False, count_only: bool = False,
+                  by_revision: bool = False) -> dict[str, Any]:
+    """A txn's range read of every key under ``prefix`` (the first ``limit``; keys only; a count only;
+    oldest created first)."""
+    body: dict[str, Any] = {"key": b64(prefix), "range_end": b64(layout.prefix_end(prefix))}
+    if limit:
+        body["limit"] = str(limit)
+    if keys_only:
+        body["keys_only"] = True
+    if count_only:
+        body["count_only"] = True
+    if by_revision:
+        body.update(sort_order="ASCEND", sort_target="CREATE")
+    return {"request_range": body}

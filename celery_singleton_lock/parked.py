@@ -1,0 +1,60 @@
+"""How a delivery parked in a key's line ends: how long it may still wait, and the end of a delivery
+whose call now waits in line (WAITING stored, logged, signalled, and Ignore raised).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NoReturn
+
+from celery.exceptions import Ignore
+
+from . import config, handoff
+from .compat import get_actual_ignore_result
+from .engine import line as queue
+from .engine.server import LockBackend
+from .exceptions import LockWaitTimeout
+from .signals import duplicate_skipped
+
+logger = logging.getLogger("celery_singleton_lock")
+
+WAITING = "WAITING"
+"""The result state of a task parked in a key's line (not ready; it becomes the task's own
+end state once its turn came and it ran)."""
+
+
+def wait_left(request: Any, settings: config.LockSettings, server: LockBackend, key: str, entry: str | None) -> float:
+    """How long this delivery may still wait in line: ``lock_max_wait``, counted from a waiting task's
+    FIRST park; none left: :class:`LockWaitTimeout` (its old place, if it still has one, goes)."""
+    wait = settings.max_wait
+    parked_at = handoff.first_parked_at(request)
+    if parked_at is not None:
+        wait -= time.time() - parked_at
+        if wait <= 0:
+            if entry:  # the line moves on
+                queue.leave(server, key, entry)
+            raise LockWaitTimeout(key, settings.max_wait)
+    return wait
+
+
+def ends_waiting(task: Any, request: Any, key: str, place: int, holder_id: str | None, entry: str | None, same: bool,
+           already: bool) -> NoReturn:
+    """The delivery ends, its call waiting in line: WAITING stored (unless it is a copy of the running
+    call), logged, :data:`duplicate_skipped` sent, and Ignore raised."""
+    own = holder_id == request.id
+    if not own and not get_actual_ignore_result(task, request):
+        task.backend.store_result(
+            request.id, {"key": key, "place": place, "holder": holder_id, "entry": entry}, WAITING, request=request
+        )
+    logger.info(
+        "task %s[%s] waits in line for lock %s (place %d, held by %s)%s%s",
+        task.name, request.id, key, place, holder_id,
+        " as a redelivered copy of the running task" if same else "",
+        ": it was parked already, this delivery ends" if already else "",
+    )
+    duplicate_skipped.send(
+        sender=task, key=key, task_id=request.id, holder_task_id=holder_id,
+        policy="redelivery" if own else "retry",
+    )
+    raise Ignore(f"waiting in line for lock {key}")
