@@ -9,6 +9,7 @@
     python3 dev.py bench   # run the benchmarks (not part of CI)
     python3 dev.py matrix  # the support matrix (noxfile.py): every Python, Celery, redis-py and server
     python3 dev.py matrix --corners   # its oldest and newest corners only (CI runs these)
+    python3 dev.py robustness --minutes 30 --seed 7   # random traffic and faults, then the history checked
 
 Set-up: a virtualenv in .venv with the package and the "dev" dependency group
 (pyproject.toml [dependency-groups]) installed (re-done when pyproject.toml
@@ -141,6 +142,18 @@ def matrix(rest: list[str]) -> int:
     return subprocess.call([str(BIN / "nox"), "-f", "noxfile.py", *tags, *others], cwd=ROOT, env=env)
 
 
+def robustness_args(rest: list[str]) -> list[str]:
+    """``--minutes N`` as tools/line_chaos.py's ``--seconds``, with orders in proportion (5 a second)."""
+    out, it = [], iter(rest)
+    for arg in it:
+        if arg == "--minutes":
+            seconds = float(next(it)) * 60
+            out += ["--seconds", f"{seconds:g}", "--orders", str(int(seconds * 5))]
+        else:
+            out.append(arg)
+    return out
+
+
 def main() -> int:
     cmd = sys.argv[1] if len(sys.argv) > 1 else "help"
     rest = sys.argv[2:]
@@ -170,6 +183,9 @@ def main() -> int:
     if cmd == "matrix":
         ensure_venv()
         return matrix(rest)
+    if cmd == "robustness":
+        ensure_venv()
+        return run([str(PY), "tools/line_chaos.py", *robustness_args(rest)])
     if cmd == "bench":
         # the benchmarks make their own virtualenv (benchmarks/.venv), with the peers in it
         return subprocess.call([sys.executable, "benchmarks/run.py", *rest], cwd=ROOT)

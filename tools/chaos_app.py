@@ -46,10 +46,11 @@ def deduct(self, sku: str, order: str, body_ms: int = 40) -> str:
 
 @app.task(base=LockedTask, bind=True, lock_key=["sku"], on_duplicate="skip")
 def peek(self, sku: str, order: str, body_ms: int = 20) -> str:
-    """A read of the SKU that a running one makes pointless: a duplicate is skipped (REVOKED)."""
-    journal.rpush(f"start:{sku}", f"{order} {time.time()} {os.getpid()} {self.lock.fencing_token}")
+    """A read of the SKU that a running one makes pointless: a duplicate is skipped (REVOKED). Its lock
+    is its own (the key names the task), so its bodies are journalled apart from deduct's."""
+    journal.rpush(f"start:{sku}:peek", f"{order} {time.time()} {os.getpid()} {self.lock.fencing_token}")
     time.sleep(body_ms / 1000 * random.uniform(0.5, 1.5))
-    journal.rpush(f"end:{sku}", f"{order} {time.time()} {os.getpid()}")
+    journal.rpush(f"end:{sku}:peek", f"{order} {time.time()} {os.getpid()}")
     journal.hincrby("done", order, 1)
     return order
 
