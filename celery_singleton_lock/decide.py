@@ -102,7 +102,8 @@ class Delivery:
     one was requeued unstarted, e.g. prefetched at a worker restart), or ``track_started`` with no
     state stored. Its policy applies as to a fresh delivery."""
     recovered: bool = False
-    """Our own copy of a waiting task, sent again after the lock Redis lost its data."""
+    """Our own copy of a waiting task whose place may be gone: sent again after the lock Redis lost its
+    data, or a turn's claim sent again because the lock Redis did not answer it."""
     slot_copy: bool = False
     """Our own copy of a task that waited in its worker slot and could not tell whether it was handed
     the key (header SLOT): another delivery of the same call holding the key runs it."""

@@ -31,7 +31,7 @@ from . import handoff
 from .compat import get_actual_ignore_result
 from .decide import Delivery, Found
 from .engine.lock import Done, Holder, Lock, Verdict
-from .headers import ENTRY, RECOVERED, SLOT, TOKEN
+from .headers import ENTRY, RECOVERED, SLOT, TOKEN, UNREACHABLE
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -40,13 +40,16 @@ def delivery(task: Any, request: Any, policy: str, line: bool, redelivered: bool
              entry: str | None) -> Delivery:
     """Who is asking, for the decision table (looked up once, at the delivery's first refusal)."""
     headers = request.headers or {}
+    # a turn's claim sent again because the lock Redis did not answer it: its place may be gone (its
+    # first try took the key, then gave it back), so, as a recovered copy, it asks whether the call ran
+    copy = bool(headers.get(RECOVERED)) or (entry is not None and bool(headers.get(UNREACHABLE)))
     return Delivery(
         policy=policy,
         eager=bool(request.is_eager),
         redelivered=redelivered,
         never_ran=not resent and never_ran(task, request, redelivered and entry is None),
-        handoff=entry is not None and not headers.get(RECOVERED),
-        recovered=bool(headers.get(RECOVERED)),
+        handoff=entry is not None and not copy,
+        recovered=copy,
         slot_copy=bool(headers.get(SLOT)),
         retry=bool(request.retries),
         line=line,

@@ -346,8 +346,9 @@ def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
         headers[PARKED_AT] = handoff.first_parked_at(request) or time.time()
     if token:
         headers[TOKEN] = token
-    if entry:
+    if entry:  # a turn's claim: its entry, and when it first parked (a run stored before that is not its)
         headers[ENTRY] = entry
+        headers[PARKED_AT] = handoff.first_parked_at(request) or time.time()
     sig = task.signature_from_request(request, args, kwargs, countdown=delay, retries=request.retries)
     sig.options["headers"] = {**(sig.options.get("headers") or {}), **headers}
     sig.apply_async()

@@ -5,6 +5,8 @@
   lost on the way back: a network reset, a proxy or sidecar restart, ``CLIENT KILL``);
 - refuse (``refuse(pattern, count)``): the next ``count`` requests containing ``pattern`` never
   reach Redis; the client's connection is closed (a command that met a dead connection);
+- delay (``delay(pattern, seconds, count)``): the reply of the next ``count`` requests containing
+  ``pattern`` reaches the client ``seconds`` late (a Redis or a network that stalls);
 - blackout (``blackout(seconds)``): every open connection is closed, and new ones are refused
   (accepted and closed at once) for that many seconds.
 
@@ -32,6 +34,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._armed: dict[bytes, int] = {}
         self._refused: dict[bytes, int] = {}
+        self._delayed: dict[bytes, tuple[int, float]] = {}
         self._dark_until = 0.0
         self.dropped: list[bytes] = []
         """The patterns whose reply was dropped, in order."""
@@ -51,9 +54,14 @@ class FaultProxy:
         with self._lock:
             self._refused[pattern] = count
 
+    def delay(self, pattern: bytes, seconds: float, count: int = 1) -> None:
+        """Hold the reply of the next ``count`` requests that contain ``pattern`` for ``seconds``."""
+        with self._lock:
+            self._delayed[pattern] = (count, seconds)
+
     def left(self, pattern: bytes) -> int:
         with self._lock:
-            return self._armed.get(pattern, 0) + self._refused.get(pattern, 0)
+            return self._armed.get(pattern, 0) + self._refused.get(pattern, 0) + self._delayed.get(pattern, (0, 0))[0]
 
     def blackout(self, seconds: float) -> None:
         """Close every connection now, and refuse new ones for ``seconds``."""
@@ -82,10 +90,11 @@ class FaultProxy:
             with self._lock:
                 self._sockets += [client, server]
             lose = threading.Event()  # set: the next reply on this connection is lost, and it closes
-            threading.Thread(target=self._up, args=(client, server, lose), daemon=True).start()
-            threading.Thread(target=self._down, args=(server, client, lose), daemon=True).start()
+            late: list[float] = []  # the seconds the next reply on this connection is held
+            threading.Thread(target=self._up, args=(client, server, lose, late), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, lose, late), daemon=True).start()
 
-    def _up(self, src: socket.socket, dst: socket.socket, lose: threading.Event) -> None:
+    def _up(self, src: socket.socket, dst: socket.socket, lose: threading.Event, late: list[float]) -> None:
         while True:
             try:
                 data = src.recv(65536)
@@ -96,6 +105,11 @@ class FaultProxy:
                     if refused is not None:
                         self._refused[refused] -= 1
                         break
+                    for pattern, (count, seconds) in self._delayed.items():
+                        if count > 0 and pattern in data:
+                            self._delayed[pattern] = (count - 1, seconds)
+                            late.append(seconds)
+                            break
                     for pattern, count in self._armed.items():
                         if count > 0 and pattern in data:
                             self._armed[pattern] = count - 1
@@ -108,7 +122,7 @@ class FaultProxy:
         _close(src)
         _close(dst)
 
-    def _down(self, src: socket.socket, dst: socket.socket, lose: threading.Event) -> None:
+    def _down(self, src: socket.socket, dst: socket.socket, lose: threading.Event, late: list[float]) -> None:
         while True:
             try:
                 data = src.recv(65536)
@@ -116,6 +130,8 @@ class FaultProxy:
                 data = b""
             if not data or lose.is_set():
                 break
+            if late:
+                time.sleep(late.pop(0))  # (the fault itself: this reply arrives that much later)
             try:
                 dst.sendall(data)
             except OSError:

@@ -471,3 +471,12 @@ def test_a_turns_claim_that_meets_a_dead_connection_twice_is_sent_again_as_the_t
     That re-send lost its entry, parked as "already parked" and ended; nobody claimed the key reserved
     for it, and the call failed with LockWaitTimeout. The re-send now carries the entry, and claims."""
     _turn_with_claim_faulted(env, lambda claim: env.proxy.refuse(claim, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_turns_claim_whose_reply_comes_too_late_is_given_back_and_the_call_still_runs(env):
+    """The claim took the key, but its reply came after a third of the TTL: the lock is given back (the
+    key passes on) and the call sent again, with its entry. That copy finds its entry gone (its first
+    try used it): it must not be dropped as "already ran", but wait in line again and run."""
+    _turn_with_claim_faulted(env, lambda claim: env.proxy.delay(claim, 1.5, 1))  # (the lock TTL is 3 s)
