@@ -66,6 +66,7 @@ SETTINGS: frozenset[str] = frozenset({
     "singleton_lock_min_replicas", "singleton_lock_replica_timeout", "singleton_lock_release_timeout",
     "singleton_lock_turn_timeout", "singleton_lock_redelivery_window",
     "singleton_lock_beat_key", "singleton_lock_beat_poll", "singleton_lock_beat_ttl",
+    "singleton_lock_spin",
 })
 """Every app setting read anywhere (options.py warns at worker start about any other
 ``singleton_lock_*``; tests/test_options.py checks this list against the code)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
-from .engine import persistence
+from .engine import exchange, persistence
 from .engine import sweeper as sweeping
 from .engine.server import LockBackend, LockServer
 from .exceptions import LockKeyError
@@ -21,9 +21,11 @@ logger = logging.getLogger("celery_singleton_lock")
 
 
 def watch_app(app: Any) -> None:
-    """Start this process's sweeper on the servers of ``app``'s LockedTasks (worker start-up)."""
+    """Start this process's sweeper on the servers of ``app``'s LockedTasks (worker start-up), and set
+    whether its reads spin first (``singleton_lock_spin``)."""
     from .task import LockedTask
 
+    exchange.spin(bool(app.conf.get("singleton_lock_spin", True)))
     seen: set[tuple[LockBackend, str]] = set()
     for task in list(app.tasks.values()):
         if not isinstance(task, LockedTask):

@@ -196,3 +196,26 @@ def test_the_private_names_of_redis_py_it_reads_are_there_and_a_push_reaches_its
     if setter is not None:
         assert got and got[0][0] == b"invalidate", got
     server.close()
+
+
+def test_spin_off_reads_by_sleeping_at_once_and_the_setting_turns_it_off(redis):
+    """``singleton_lock_spin=False``: each worker process (set as it starts) reads replies without
+    spinning first; the lock works the same."""
+    from celery import Celery
+
+    from celery_singleton_lock import workers
+
+    app = Celery("spin_off", set_as_current=False)
+    app.conf.singleton_lock_spin = False
+    try:
+        workers.watch_app(app)
+        assert exchange.SPIN_NS == 0
+        server = LockServer.from_url(redis.url(2))
+        lock = server.acquire("no-spin", 5)
+        assert isinstance(lock, Lock) and server.release(lock).status == 1
+        conn = server._held_conn()
+        assert getattr(conn, "_csl_misses", 0) == 0 and getattr(conn, "_csl_rest", 0) == 0  # never spun
+        server.close()
+    finally:
+        exchange.spin(True)
+    assert exchange.SPIN_NS == 150_000

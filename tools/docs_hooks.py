@@ -52,6 +52,13 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "singleton_lock_replica_timeout": ("`1.0` s", "how long the acquire waits for those replicas; too few in "
                                                   "time counts as an unreachable Redis"),
     "singleton_lock_release_timeout": ("`2.0` s", "the socket timeout of a release (tried twice)"),
+    "singleton_lock_spin": (
+        "`True`",
+        "each worker process waits for the lock Redis's reply by trying the socket again and again for up to "
+        "150 µs before it sleeps (a loopback Redis answers within that); `False` sleeps at once, which costs "
+        "less CPU on a busy host or with a remote Redis. A connection whose replies keep coming later than "
+        "that stops trying for a while by itself",
+    ),
     "singleton_lock_turn_timeout": ("`300.0` s", "how long the key stays reserved for a waiter whose turn was "
                                                  "sent, until its message arrives"),
     "singleton_lock_redelivery_window": ("the broker's `visibility_timeout`, else `3600.0` s",

@@ -124,18 +124,15 @@ def _dropped(conn: Any, exc: BaseException, doing: str) -> BaseException:
     return exc
 
 
+def spin(on: bool) -> None:
+    """Whether this process's reads spin first (``singleton_lock_spin``, set as each worker process starts)."""
+    global SPIN_NS
+    SPIN_NS = 150_000 if on else 0
+
+
 def _read(conn: Any, sock: socket.socket, n: int) -> tuple[list[Any], list[Any]]:
-    """Spin (unless this connection rests), then sleep until ``n`` whole replies are in."""
-    rest = getattr(conn, "_csl_rest", 0)
-    data = _spin(sock.fileno()) if rest <= 0 else None
-    if rest > 0:
-        conn._csl_rest = rest - 1
-    elif data is None:  # the spin missed: count it
-        conn._csl_misses = misses = getattr(conn, "_csl_misses", 0) + 1
-        if misses >= REST_AFTER:
-            conn._csl_rest, conn._csl_misses = REST_FOR, 0
-    else:
-        conn._csl_misses = 0
+    """Spin (unless spinning is off, or this connection rests), then sleep until ``n`` whole replies are in."""
+    data = _spun(conn, sock) if SPIN_NS else None
     data = data or b""
     while True:
         if data:
@@ -151,6 +148,22 @@ def _read(conn: Any, sock: socket.socket, n: int) -> tuple[list[Any], list[Any]]
     if end != len(data):  # more than the replies asked for: out of step with the server
         raise ConnectionResetError(f"{len(data) - end} bytes past the {n} replies asked for")
     return replies, pushes
+
+
+def _spun(conn: Any, sock: socket.socket) -> bytes | None:
+    """What a spin on ``conn`` read (None: nothing came, or the connection rests from spinning)."""
+    rest = getattr(conn, "_csl_rest", 0)
+    if rest > 0:
+        conn._csl_rest = rest - 1
+        return None
+    data = _spin(sock.fileno())
+    if data is None:  # the spin missed: count it
+        conn._csl_misses = misses = getattr(conn, "_csl_misses", 0) + 1
+        if misses >= REST_AFTER:
+            conn._csl_rest, conn._csl_misses = REST_FOR, 0
+    else:
+        conn._csl_misses = 0
+    return data
 
 
 def _plain(sock: Any) -> TypeGuard[socket.socket]:
