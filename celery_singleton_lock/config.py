@@ -299,6 +299,20 @@ def redelivery_window(conf: Any) -> float:
     return DEFAULT_REDELIVERY_WINDOW
 
 
+LONG_TTL = 300.0
+"""A ``lock_ttl`` above this (seconds) is warned about: a crashed worker would block its key that long."""
+
+
+def warn_long_ttl(task_name: str, ttl: float) -> None:
+    """Warn about a TTL taken for the longest run (celery-once's ``timeout=3600``, say)."""
+    if ttl > LONG_TTL:
+        logging.getLogger("celery_singleton_lock").warning(
+            "task %s: lock_ttl %gs is how long a lock lives without renewal (the watchdog renews it every third "
+            "of that while the task runs), not how long the task may run: a worker that dies holding it blocks "
+            "its key for up to %gs. 30 to 60 s suits most tasks", task_name, ttl, ttl,
+        )
+
+
 def warn_short_ttl(task_name: str, settings: LockSettings) -> None:
     """Warn once, when a task's settings are read, about a TTL the watchdog cannot keep safely."""
     shortest = timing.shortest_safe_ttl(**{

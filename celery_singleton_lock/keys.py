@@ -83,14 +83,16 @@ def _shape(sig: inspect.Signature) -> _Shape:
     return shape
 
 
-def bind_arguments(sig: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Arguments by parameter name, defaults applied, as Python binds them.
+def bind_arguments(sig: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any],
+                   partial: bool = False) -> dict[str, Any]:
+    """Arguments by parameter name, defaults applied, as Python binds them (``partial``: the ones given
+    may leave out parameters that have no default, as ``Signature.bind_partial``).
 
     ``*args`` is a tuple under its own name and ``**kw`` a dict under its own name,
     never merged with the named parameters: ``f(1)`` and ``f(args=[1])`` fill
     different parameters of ``f(*args, **kwargs)``, so they must not look alike.
     """
-    if not kwargs:
+    if not kwargs and not partial:
         # The common call, positional arguments only, to a plain signature: what
         # sig.bind + apply_defaults give, without their cost. Anything else (and
         # every error) goes the general way below.
@@ -104,7 +106,7 @@ def bind_arguments(sig: inspect.Signature, args: Sequence[Any], kwargs: Mapping[
             else:
                 return named
     try:
-        bound = sig.bind(*args, **kwargs)
+        bound = sig.bind_partial(*args, **kwargs) if partial else sig.bind(*args, **kwargs)
     except TypeError as exc:
         raise LockKeyError(f"cannot derive a lock key: the arguments do not fit the task: {exc}") from None
     bound.apply_defaults()
@@ -118,8 +120,10 @@ def derive(
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
     lock_key: KeySpec = None,
+    partial: bool = False,
 ) -> str:
-    """The lock key of one call, per the task's ``lock_key`` option."""
+    """The lock key of one call, per the task's ``lock_key`` option. ``partial`` (the operators' ``locks
+    key``): with ``lock_key`` a list of names, the arguments may give those alone."""
     if callable(lock_key):
         try:
             custom = lock_key(*args, **kwargs)
@@ -134,7 +138,7 @@ def derive(
                 f"got {type(custom).__name__}: {custom!r}"
             )
         return make_key(prefix, task_name, ["key", str.__str__(custom)])
-    named = bind_arguments(sig, args, kwargs)
+    named = bind_arguments(sig, args, kwargs, partial=partial and isinstance(lock_key, (list, tuple)))
     if lock_key is None:
         identity = [[name, canonical(named[name], name)] for name in sorted(named)]
     else:

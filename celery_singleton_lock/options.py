@@ -32,11 +32,13 @@ logger = logging.getLogger("celery_singleton_lock")
 MIGRATION = "see the migration guide: https://celery-singleton-lock.github.io/celery-singleton-lock/migration/"
 
 PEER_OPTIONS: dict[str, str] = {
-    "once": "celery-once's option: on_duplicate='skip' is its graceful mode, on_duplicate='raise' the default "
-            "one, and lock_key=[...] its keys; its timeout is not lock_ttl (ours is renewed while the task runs)",
+    "once": "celery-once's option: it refuses at publish, as lock_publish does: lock_publish='raise' is its "
+            "default (AlreadyQueued), lock_publish='join' its graceful mode (the pending call's AsyncResult); "
+            "lock_key=[...] are its keys; its timeout is not lock_ttl (ours is renewed while the task runs)",
     "unique_on": "celery-singleton's option: use lock_key=[...] (the argument names to key on)",
     "raise_on_duplicate": "celery-singleton's option: use on_duplicate='raise'",
-    "lock_expiry": "celery-singleton's option: use lock_ttl (seconds between renewals, not the longest run)",
+    "lock_expiry": "celery-singleton's option: use lock_ttl (how long the lock lives without renewal, renewed "
+                   "every third of it while the task runs; not the longest run)",
     "heimdall": "celery-heimdall's option: its unique=True is our default (on_duplicate='skip'), or "
                 "lock_publish='raise' to refuse at publish; its key is lock_key, its unique_timeout is not lock_ttl",
 }

@@ -130,6 +130,8 @@ class LockedTask(Task):
         cls._lock_signature = config.signature_of(cls.run, bound=not isinstance(raw, staticmethod))
         config.check_task_options(cls.name or cls.__qualname__, cls, cls._lock_signature)
         options.check_unknown_options(cls.name or cls.__qualname__, cls, LockedTask)
+        if isinstance(cls.__dict__.get("lock_ttl"), (int, float)):  # (the app's setting: when it is read)
+            config.warn_long_ttl(cls.name or cls.__qualname__, float(cls.__dict__["lock_ttl"]))
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -160,15 +162,19 @@ class LockedTask(Task):
             config.check_task_options(self.name, type(self), self._lock_signature)
             settings = config.resolve(self)
             config.warn_short_ttl(self.name, settings)
+            if self.lock_ttl is None:  # (a task's own lock_ttl was warned about when the task was made)
+                config.warn_long_ttl(self.name, settings.ttl)
             self.__dict__["_singleton_lock_keys"] = keys.KeyMaker(
                 settings.prefix, self.name, self._lock_signature, self.lock_key)
             self.__dict__["_singleton_lock_settings"] = settings
         return settings
 
-    def lock_key_for(self, args: Any = (), kwargs: Any = None) -> str:
-        """The lock key these arguments map to (for operators and tests)."""
+    def lock_key_for(self, args: Any = (), kwargs: Any = None, *, partial: bool = False) -> str:
+        """The lock key these arguments map to (for operators and tests); ``partial``: with ``lock_key`` a
+        list of names, the arguments may give those alone."""
         settings = self.lock_settings()
-        return keys.derive(settings.prefix, self.name, self._lock_signature, args or (), kwargs or {}, self.lock_key)
+        return keys.derive(settings.prefix, self.name, self._lock_signature, args or (), kwargs or {}, self.lock_key,
+                           partial=partial)
 
     def lock_server(self) -> LockBackend:
         """The process's LockServer for this task's settings; its waiting copies go through this app."""

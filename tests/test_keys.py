@@ -754,3 +754,24 @@ def test_key_maker_gives_what_derive_gives(sig_of, lock_key, call):
     maker = keys.KeyMaker(PREFIX, TASK, sig, lock_key)
     derived = outcome(lambda: keys.derive(PREFIX, TASK, sig, args, kwargs, lock_key))
     assert outcome(lambda: maker(args, kwargs)) == derived
+
+
+def test_the_lock_key_arguments_alone_derive_the_key_an_operator_asks_for():
+    """``celery locks key deduct --args '["sku-1"]'`` with ``lock_key=["sku"]``: the same key as the
+    call ``deduct("sku-1", 5)``; keyed on every argument, a missing one is still an error naming it."""
+    import inspect
+
+    from celery_singleton_lock.exceptions import LockKeyError
+    from celery_singleton_lock.keys import derive
+
+    def deduct(sku, qty):
+        return sku, qty
+
+    sig = inspect.signature(deduct)
+    full = derive("p", "t.deduct", sig, ("sku-1", 5), {}, ["sku"])
+    assert derive("p", "t.deduct", sig, ("sku-1",), {}, ["sku"], partial=True) == full
+    assert derive("p", "t.deduct", sig, (), {"sku": "sku-1"}, ["sku"], partial=True) == full
+    with pytest.raises(LockKeyError, match="qty"):
+        derive("p", "t.deduct", sig, ("sku-1",), {}, None, partial=True)
+    with pytest.raises(LockKeyError, match="qty"):
+        derive("p", "t.deduct", sig, ("sku-1",), {}, ["sku"])  # a real call still needs every argument

@@ -110,3 +110,28 @@ def test_a_worker_logs_an_unknown_setting_at_start(redis_server, tmp_path):
     log = worker.log()
     assert "unknown setting singleton_lock_expiry: ignored" in log, log[-2000:]
     assert "unknown setting singleton_lock_tll: ignored; did you mean singleton_lock_ttl?" in log, log[-2000:]
+
+
+def test_a_lock_ttl_taken_for_the_longest_run_is_warned_about_with_the_reason(caplog):
+    """``lock_ttl=3600`` (celery-once's timeout copied across): a warning when the task is made, naming
+    the value and why; a TTL of a minute is not warned about."""
+    import logging
+
+    from celery import Celery
+
+    from celery_singleton_lock import LockedTask
+
+    app = Celery("long_ttl", set_as_current=False)
+    with caplog.at_level(logging.WARNING, logger="celery_singleton_lock"):
+        @app.task(base=LockedTask, shared=False, lock_ttl=3600)
+        def hourly(x):
+            return x
+
+        @app.task(base=LockedTask, shared=False, lock_ttl=60)
+        def minutely(x):
+            return x
+
+        app.finalize()
+    warned = [r.getMessage() for r in caplog.records if "lock_ttl" in r.getMessage()]
+    assert len(warned) == 1 and "3600s" in warned[0] and "without renewal" in warned[0], warned
+    assert "hourly" in warned[0]

@@ -177,7 +177,8 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
 def key_of(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str, as_json: bool) -> None:
     """The key a call of TASK_NAME locks (the task's own lock_key_for), and who holds it now.
 
-    The arguments are JSON, as the message carries them: "why is my task skipped?"
+    The arguments are JSON, as the message carries them: "why is my task skipped?" With lock_key a
+    list of names, those arguments alone will do.
     """
     target = open_target(ctx)
     task_name = resolve_task(target, task_name)
@@ -185,7 +186,7 @@ def key_of(ctx: click.Context, task_name: str, args_json: str, kwargs_json: str,
     args = _json_arg("--args", args_json, list)
     kwargs = _json_arg("--kwargs", kwargs_json, dict)
     try:
-        key = task.lock_key_for(args, kwargs)
+        key = task.lock_key_for(args, kwargs, partial=True)  # (the lock_key arguments alone will do)
     except (LockKeyError, ValueError) as exc:
         fail(f"task {task_name}: {exc}")
     row = read_one(target, key, task_name)
