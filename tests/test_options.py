@@ -52,7 +52,7 @@ def test_a_typo_of_our_option_fails_at_definition_naming_the_closest(options, sh
 
 PEERS = [
     ({"unique_on": ["sku"]}, "lock_key"),
-    ({"once": {"graceful": True}}, "on_duplicate='skip'"),
+    ({"once": {"graceful": True}}, "lock_publish='join'"),  # as the migration guide maps it
     ({"raise_on_duplicate": True}, "on_duplicate='raise'"),
     ({"lock_expiry": 5}, "lock_ttl"),
     ({"heimdall": {"unique": True}}, "lock_publish='raise'"),
