@@ -16,6 +16,8 @@ import socket
 import threading
 import time
 
+from _fault_proxy import _close
+
 
 class DelayProxy:
     def __init__(self, target_port: int, delay: float, host: str = "127.0.0.1") -> None:
@@ -95,10 +97,3 @@ class DelayProxy:
         with self._lock:
             for s in self._sockets:
                 _close(s)
-
-
-def _close(s: socket.socket) -> None:
-    try:
-        s.close()
-    except OSError:
-        pass

@@ -7,6 +7,8 @@
   reach Redis; the client's connection is closed (a command that met a dead connection);
 - delay (``delay(pattern, seconds, count)``): the reply of the next ``count`` requests containing
   ``pattern`` reaches the client ``seconds`` late (a Redis or a network that stalls);
+- swallow (``swallowing.set()``): while set, every reply is dropped and the connection kept open (a
+  reply lost to a client that waits for it until its timeout);
 - blackout (``blackout(seconds)``): every open connection is closed, and new ones are refused
   (accepted and closed at once) for that many seconds.
 
@@ -36,6 +38,8 @@ class FaultProxy:
         self._refused: dict[bytes, int] = {}
         self._delayed: dict[bytes, tuple[int, float]] = {}
         self._dark_until = 0.0
+        self.swallowing = threading.Event()
+        """Set: every reply is dropped, the connection kept open."""
         self.dropped: list[bytes] = []
         """The patterns whose reply was dropped, in order."""
         self._sockets: list[socket.socket] = []
@@ -132,6 +136,8 @@ class FaultProxy:
                 break
             if late:
                 time.sleep(late.pop(0))  # (the fault itself: this reply arrives that much later)
+            if self.swallowing.is_set():
+                continue
             try:
                 dst.sendall(data)
             except OSError:

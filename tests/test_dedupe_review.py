@@ -10,6 +10,7 @@ import time
 import uuid
 
 import pytest
+from _fault_proxy import FaultProxy
 from test_dedupe import TIMEOUT, env, runs, started, state_of, worker_child_of  # noqa: F401  (env: the module fixture)
 
 from celery_singleton_lock import held
@@ -100,18 +101,25 @@ def test_merged_calls_survive_a_lock_redis_data_loss(env):
     wait_until(lambda: state_of(m) != "WAITING", 30, what="the merged call to leave WAITING")
 
 
-def test_merged_calls_do_not_stay_waiting_when_their_waiter_run_is_killed(env):
-    """The waiter's run took the merged calls into memory; its worker child dies (SIGKILL, no
-    acks_late): the waiter ends FAILURE (WorkerLostError) but the merged calls stay WAITING forever."""
-    key = _key()
+def _follow_up_running(env, key, seconds):
+    """A holder, a parked first duplicate and a call merged into it (the follow-up runs ``seconds``
+    with its arguments); returns (first, merged) once the follow-up has started."""
     holder = env.refresh.delay(key, 1.0, "holder")
     started(env, key)
     first = env.refresh.delay(key, 0.0, "first")
     wait_until(lambda: state_of(first) == "WAITING", TIMEOUT, what="the first duplicate to park")
-    m = env.refresh.delay(key, 30.0, "slow")  # merged: the follow-up runs 30 s with these arguments
+    m = env.refresh.delay(key, seconds, "slow")  # merged: the follow-up runs with these arguments
     wait_until(lambda: state_of(m) == "WAITING", TIMEOUT, what="the merged call to wait")
     holder.get(timeout=TIMEOUT)
     started(env, key, 2)
+    return first, m
+
+
+def test_merged_calls_do_not_stay_waiting_when_their_waiter_run_is_killed(env):
+    """The waiter's run took the merged calls into memory; its worker child dies (SIGKILL, no
+    acks_late): the waiter ends FAILURE (WorkerLostError) but the merged calls stay WAITING forever."""
+    key = _key()
+    first, m = _follow_up_running(env, key, 30.0)
 
     pid = wait_until(lambda: worker_child_of(env, first.id), TIMEOUT, what="the follow-up's worker child")
     os.kill(pid, signal.SIGKILL)
@@ -127,14 +135,7 @@ def test_merged_calls_are_settled_when_their_records_expired_during_a_long_run(e
     from celery_singleton_lock.engine import layout
 
     key = _key()
-    holder = env.refresh.delay(key, 1.0, "holder")
-    started(env, key)
-    first = env.refresh.delay(key, 0.0, "first")
-    wait_until(lambda: state_of(first) == "WAITING", TIMEOUT, what="the first duplicate to park")
-    m = env.refresh.delay(key, 2.0, "slow")  # merged: the follow-up runs 2 s with these arguments
-    wait_until(lambda: state_of(m) == "WAITING", TIMEOUT, what="the merged call to wait")
-    holder.get(timeout=TIMEOUT)
-    started(env, key, 2)  # the covering run has taken its merged calls
+    first, m = _follow_up_running(env, key, 2.0)  # the covering run has taken its merged calls
     ids, msgs = layout.merged(env.refresh.lock_key_for((key,), {}), first.id)
     assert env.server.client(2).delete(ids, msgs) == 2, "no merged records to expire: the test proves nothing"
     assert first.get(timeout=TIMEOUT)["tag"] == "slow"
@@ -182,45 +183,6 @@ def test_revoking_a_retried_waiter_sends_its_merged_calls_again(env):
     wait_until(lambda: state_of(m) != "WAITING", 30, what="the merged call to be sent again and run")
 
 
-class _ReplyEater:
-    """A TCP proxy to the lock Redis that forwards requests and, once ``eat`` is set, drops the
-    replies: a command that ran whose reply was lost (a network blip, a slow server)."""
-
-    def __init__(self, port: int) -> None:
-        import socket
-        import threading
-
-        self.eat = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._target = port
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-        import threading
-
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self._target))
-            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
-
-    def _pipe(self, src, dst, replies: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if not (replies and self.eat.is_set()):
-                    dst.sendall(data)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self._listener.close()
-
-
 def test_a_lost_reply_at_publish_leaves_no_mark_that_outlives_its_call(env):
     """The PUBLISH script ran (the mark is set for the new id) but its reply was lost: 8cb868f then
     publishes the call unchecked, WITHOUT the MARKED header, so its delivery never deletes the mark.
@@ -229,12 +191,12 @@ def test_a_lost_reply_at_publish_leaves_no_mark_that_outlives_its_call(env):
     from celery_singleton_lock.engine.server import LockServer
 
     key = _key()
-    proxy = _ReplyEater(env.server.port)
+    proxy = FaultProxy(env.server.port)
     task = env.app.tasks[env.joined.name]
     lossy = LockServer.from_url(f"redis://127.0.0.1:{proxy.port}/2", socket_timeout=1.0)
     try:
         dedupe.mark(lossy, "warm:{x}", "x", 1000)  # the PUBLISH script loaded, the connection up
-        proxy.eat.set()
+        proxy.swallowing.set()
         task.__dict__["_singleton_lock_server"] = lossy
         first = task.delay(key, 0.0, "first")
     finally:
