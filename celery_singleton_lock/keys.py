@@ -216,6 +216,9 @@ def _pick(task_name: str, shape: _Shape, named: dict[str, Any], name: str) -> An
         )
     if name in named:
         return named[name]
+    if name in shape.sig.parameters:  # (a call bound in part, for an operator: this one is not given)
+        raise LockKeyError(f"cannot derive a lock key: the arguments do not fit the task: "
+                           f"missing a required argument: {name!r}")
     if shape.var_keyword is not None:
         extra = named[shape.var_keyword]
         if name in extra:

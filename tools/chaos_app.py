@@ -16,7 +16,7 @@ import time
 import redis
 from celery import Celery
 
-from celery_singleton_lock import LockedTask
+from celery_singleton_lock import LockedTask, LockLost
 
 BROKER = os.environ.get("CSL_CHAOS_BROKER", "redis://127.0.0.1:6399")
 LOCK = os.environ.get("CSL_CHAOS_LOCK", "redis://127.0.0.1:6398")
@@ -35,9 +35,19 @@ app.conf.update(
 journal = redis.Redis.from_url(f"{BROKER}/3")
 
 
+def fence_of(task) -> object:
+    """The running lock's fencing token; "lost" when the lock was lost before it was first read (a fresh
+    task's token is drawn then): the lock Redis lost its data right after the take. The body goes on,
+    as a body that never reads the token would (the loss is reported, and counted apart)."""
+    try:
+        return task.lock.fencing_token
+    except LockLost:
+        return "lost"
+
+
 @app.task(base=LockedTask, bind=True, lock_key=["sku"], on_duplicate="retry")
 def deduct(self, sku: str, order: str, body_ms: int = 40) -> str:
-    journal.rpush(f"start:{sku}", f"{order} {time.time()} {os.getpid()} {self.lock.fencing_token}")
+    journal.rpush(f"start:{sku}", f"{order} {time.time()} {os.getpid()} {fence_of(self)}")
     time.sleep(body_ms / 1000 * random.uniform(0.5, 1.5))
     journal.rpush(f"end:{sku}", f"{order} {time.time()} {os.getpid()}")
     journal.hincrby("done", order, 1)
@@ -48,7 +58,7 @@ def deduct(self, sku: str, order: str, body_ms: int = 40) -> str:
 def peek(self, sku: str, order: str, body_ms: int = 20) -> str:
     """A read of the SKU that a running one makes pointless: a duplicate is skipped (REVOKED). Its lock
     is its own (the key names the task), so its bodies are journalled apart from deduct's."""
-    journal.rpush(f"start:{sku}:peek", f"{order} {time.time()} {os.getpid()} {self.lock.fencing_token}")
+    journal.rpush(f"start:{sku}:peek", f"{order} {time.time()} {os.getpid()} {fence_of(self)}")
     time.sleep(body_ms / 1000 * random.uniform(0.5, 1.5))
     journal.rpush(f"end:{sku}:peek", f"{order} {time.time()} {os.getpid()}")
     journal.hincrby("done", order, 1)
