@@ -130,9 +130,10 @@ def with_fence(server: Any, key: str, value: bytes) -> bytes | None:
     fresh task took the lock and has not read it yet. FENCE runs only while that token holds the key,
     so the token drawn is the one its holder will read. None if the key is no longer that token's.
     A reservation (``~``) or a cooldown (``=``) has no fence to draw, and is returned as it is."""
-    token, fence, meta = value.split(b" ", 2)
-    if fence != b"0" or value[:1] in (b"~", b"="):
+    parts = value.split(b" ", 2)
+    if len(parts) < 3 or parts[1] != b"0" or value[:1] in (b"~", b"="):  # (not a fresh task's, or not ours)
         return value
+    token, _, meta = parts
     drawn = int(server.run(FENCE, (key,), (token.decode() + " ",)))
     return b" ".join((token, str(drawn).encode(), meta)) if drawn else None
 
