@@ -1,6 +1,6 @@
 """What a delivery looks at before and right after its acquire, apart from the decision table: an
-expired turn, a slot waiter's re-sent call asking whether its place ran, and a copy that holds the
-key although its call already ran. ``LockedTask.before_start`` calls these around the acquire.
+expired turn, and a copy that holds the key although its call already ran. ``LockedTask.before_start``
+calls these around the acquire.
 """
 
 from __future__ import annotations
@@ -12,38 +12,29 @@ from .decide import Action, Delivery
 from .engine import line as queue
 from .engine.lock import Holder, Lock, Verdict
 from .engine.server import LockBackend, LockServer
-from .exceptions import LockBackendUnavailable, LockWaitTimeout
-from .headers import EXPIRED, SLOT, TOKEN
+from .exceptions import LockWaitTimeout
+from .headers import EXPIRED
 
 
-def first_look(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings,
-               server: LockBackend, key: str) -> bool:
+def first_look(settings: config.LockSettings, server: LockBackend, key: str, request: Any, task: Any) -> None:
     """Before the acquire. A turn whose wait ran out fails with :class:`LockWaitTimeout` (and the
-    calls merged into it the same way). A slot waiter's re-sent call first asks whether its place in
-    line ran (:func:`policies.slot_copy`); True when it did look."""
+    calls merged into it the same way)."""
     headers = request.headers or {}
     if headers.get(EXPIRED):
         expired = LockWaitTimeout(key, settings.max_wait)
         if settings.on_duplicate == "coalesce":
             coalescing.fail_all(task, server, key, request.id, expired)
         raise expired
-    while headers.get(SLOT) and isinstance(server, LockServer):
-        try:
-            return policies.slot_copy(task, request, server, key, headers[SLOT], headers.get(TOKEN) or "")
-        except LockBackendUnavailable as exc:  # sent again, as when the acquire cannot reach Redis
-            policies.unreachable(task, request, args, kwargs, settings, headers.get(TOKEN) or "", exc)
-    return False
 
 
-def drop_if_ran(task: Any, request: Any, settings: config.LockSettings, key: str, lock: Lock, resent: bool,
-                slot_looked: bool) -> None:
+def drop_if_ran(task: Any, request: Any, settings: config.LockSettings, key: str, lock: Lock, resent: bool) -> None:
     """A copy that holds the key, but whose call already ran (a quorum's re-send of a redelivery that
     finds its success stored; a copy after a loss of the data whose other copy ran): the key is
     released and the copy dropped (raises)."""
     if resent and identity.succeeded(task, request):
         lock.release()
         policies.refuse(task, Action.DROP, request, settings, key, Verdict.ALREADY_SUCCEEDED)
-    if identity.other_copy_ran(task, request, slot_looked):
+    if identity.other_copy_ran(task, request):
         lock.release()
         policies.refuse(task, Action.DROP, request, settings, key, Verdict.ENTRY_GONE)
 

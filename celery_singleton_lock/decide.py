@@ -104,9 +104,6 @@ class Delivery:
     recovered: bool = False
     """Our own copy of a waiting task whose place may be gone: sent again after the lock Redis lost its
     data, or a turn's claim sent again because the lock Redis did not answer it."""
-    slot_copy: bool = False
-    """Our own copy of a task that waited in its worker slot and could not tell whether it was handed
-    the key (header SLOT): another delivery of the same call holding the key runs it."""
     retry: bool = False
     """The task's own ``self.retry()`` (or autoretry): the continuation of an earlier run."""
     holder_on_stack: bool = False
@@ -137,7 +134,7 @@ def _by_table(found: Found, who: Delivery) -> Action:
     if found is Found.HELD_BY_SELF:
         if who.eager:
             return Action.REENTER if who.holder_on_stack else Action.WAIT_HERE
-        if who.handoff or who.recovered or (who.slot_copy and not who.redelivered):
+        if who.handoff or who.recovered:
             return Action.DROP
         return Action.PARK_SAME if who.redelivered else Action.PARK_FIRST
     # held by another, or free with waiters in line

@@ -28,9 +28,6 @@ BACKOFF = PREFIX + "backoff"
 REDELIVERED = PREFIX + "redelivered"
 """On a re-send of a broker redelivery (a quorum has no line to park it in): the copy keeps its
 identity, so it is dropped once the running task succeeded rather than run again as new work."""
-SLOT = PREFIX + "slot"
-"""A re-send of a slot waiter unsure of its fate (``lock_wait_in_slot``): its entry. The copy ends if
-that entry still waits in line or its turn's copy already took it (see ``policies.slot_copy``)."""
 TOKEN = PREFIX + "token"
 """The token of an acquire whose reply was lost (its lock, if taken, is taken back, not doubled)."""
 MARKED = PREFIX + "marked"

@@ -9,9 +9,7 @@ that takes the lock):
 
 * a copy sent again after a loss whose waiter entry is gone: did its task start since it first
   parked? (:func:`ran_since_park`; a waiting copy marks its start by storing STARTED with its entry);
-* a redelivery that finds its task succeeded here: was its result stored? (:func:`result_missing`);
-* a slot waiter's call sent again that finds its place gone: did the sweeper's copy of that place
-  take the call over? (:func:`slot_entry_ran`).
+* a redelivery that finds its task succeeded here: was its result stored? (:func:`result_missing`).
 
 Without a result backend (``ignore_result``, or none configured) neither can be told: a copy whose
 entry is gone is run (a waiter is never lost), and a recorded success is only dropped.
@@ -31,7 +29,7 @@ from . import handoff
 from .compat import get_actual_ignore_result
 from .decide import Delivery, Found
 from .engine.lock import Done, Holder, Lock, Verdict
-from .headers import ENTRY, RECOVERED, SLOT, TOKEN, UNREACHABLE
+from .headers import ENTRY, RECOVERED, UNREACHABLE
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -50,7 +48,6 @@ def delivery(task: Any, request: Any, policy: str, line: bool, redelivered: bool
         never_ran=not resent and never_ran(task, request, redelivered and entry is None),
         handoff=entry is not None and not copy,
         recovered=copy,
-        slot_copy=bool(headers.get(SLOT)),
         retry=bool(request.retries),
         line=line,
     )
@@ -131,41 +128,13 @@ def _since_park(request: Any, meta: dict[str, Any]) -> bool:
     return parked_at is None or done is None or done >= parked_at - 1.0
 
 
-def slot_entry_ran(task: Any, request: Any, entry: str) -> bool:
-    """A slot waiter's copy sent again (header SLOT) found no trace of ``entry`` in the lock Redis (its
-    data was lost): did the sweeper's copy of that lost park take the call over meanwhile?
-
-    That copy stores STARTED naming the entry when it runs, or WAITING naming it when it parks again;
-    a STARTED this very copy stored (its token: a broker redelivery of it after its worker died) is not
-    that. A final state stored since the call first parked counts too (one stored before it, by an
-    earlier call with the same task id, does not: Celery keeps a SUCCESS over later states). Without a
-    backend: False (it runs: a waiter is never lost).
-    """
-    meta = _meta(task, request)
-    if meta is None:
-        return False
-    status, info = meta.get("status"), meta.get("result")
-    if status in (STARTED, "WAITING"):
-        if not isinstance(info, dict) or info.get("entry") != entry:
-            return False
-        return status == "WAITING" or bool(info.get("slot") != (request.headers or {}).get(TOKEN, ""))
-    return status in READY_STATES and _since_park(request, meta)
-
-
-def other_copy_ran(task: Any, request: Any, slot_looked: bool) -> bool:
+def other_copy_ran(task: Any, request: Any) -> bool:
     """Asked by a copy that may meet another copy of its call after a loss of the lock Redis's data
-    (the sweeper's recovered copy of a waiter, a slot waiter's re-sent call), once it holds the key:
-    did the other one take the call over meanwhile? Its look before the acquire could not rule out
-    a whole run of the other one between the look and the acquire; under the lock it can: the other
-    stores STARTED while it holds the key, before its body. ``slot_looked``: the slot waiter's copy went
-    on after such a look (:func:`.policies.slot_copy`; not when it took back a key still its own). False
-    for every other delivery (no look)."""
-    headers = request.headers or {}
-    if headers.get(SLOT) and not headers.get(ENTRY):
-        return slot_looked and slot_entry_ran(task, request, headers[SLOT])
-    if headers.get(RECOVERED):
-        return ran_since_park(task, request)
-    return False
+    (the sweeper's recovered copy of a waiter), once it holds the key: did the other one take the call
+    over meanwhile? Its look before the acquire could not rule out a whole run of the other one between
+    the look and the acquire; under the lock it can: the other stores STARTED while it holds the key,
+    before its body. False for every other delivery (no look)."""
+    return bool((request.headers or {}).get(RECOVERED)) and ran_since_park(task, request)
 
 
 def _when(value: Any) -> float | None:
@@ -183,17 +152,14 @@ def _when(value: Any) -> float | None:
 
 def mark_started(task: Any, request: Any, track_started: bool) -> None:
     """STARTED, once the lock is taken: for ``track_started``, and always for a waiting task's copy,
-    naming its entry (what :func:`ran_since_park` and :func:`slot_entry_ran` read after a loss of the
-    lock Redis); a slot waiter's copy sent again names the entry it waited with."""
+    naming its entry (what :func:`ran_since_park` reads after a loss of the lock Redis)."""
     headers = request.headers or {}
-    entry = headers.get(ENTRY) or headers.get(SLOT)
+    entry = headers.get(ENTRY)
     if not (track_started or entry) or request.is_eager or get_actual_ignore_result(task, request):
         return
     meta: dict[str, Any] = {"pid": os.getpid(), "hostname": request.hostname}
     if entry:
         meta["entry"] = entry
-    if headers.get(SLOT) and not headers.get(ENTRY):  # which copy: a redelivery of it is not the other one
-        meta["slot"] = headers.get(TOKEN) or ""
     if headers.get(RECOVERED):
         meta["copy"] = str(headers[RECOVERED])
     task.backend.store_result(request.id, meta, STARTED, request=request)

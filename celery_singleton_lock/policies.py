@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from celery import states
 from celery.exceptions import Ignore, Retry, TaskRevokedError
 
-from . import config, handoff, identity, parked
+from . import config, handoff, parked
 from .compat import eager_result, get_actual_ignore_result
 from .decide import Action
 from .engine import line as queue
@@ -30,7 +30,7 @@ from .exceptions import (
     LockError,
     SelfDeadlock,
 )
-from .headers import BACKOFF, ENTRY, MARKED, PARKED_AT, REDELIVERED, SLOT, TOKEN, UNREACHABLE
+from .headers import BACKOFF, ENTRY, MARKED, PARKED_AT, REDELIVERED, TOKEN, UNREACHABLE
 from .parked import WAITING
 from .signals import duplicate_coalesced, duplicate_skipped
 
@@ -62,27 +62,15 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     block = settings.wait_in_slot if (action is Action.PARK or ahead) and settings.on_duplicate == "retry" else 0.0
     if not isinstance(server, LockServer):  # waiting in a worker slot is one Redis's (BLPOP): etcd parks at once
         block = 0.0
-    # woken in its slot, it is handed the key under this token (no claim after the wake-up), unless
-    # replicas must acknowledge the lock first: its claim waits for them (ACQUIRE, replicated)
-    token = secrets.token_hex(16) if block and not getattr(server, "min_replicas", 0) else ""
-    sent = time.monotonic()
-    try:
-        place = queue.park(
-            server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
-            owner_id=request.id, message=message, first=first,
-            again=(request.headers or {}).get(ENTRY) == entry,
-            redelivered=bool((request.delivery_info or {}).get("redelivered")),
-            # a redelivery under "coalesce" parks, unless it was merged already: then it stays merged
-            merge=action is Action.COALESCE or (action is Action.PARK and settings.on_duplicate == "coalesce"),
-            block=block,
-            token=token,
-        )
-    except LockError as exc:
-        if not token:
-            raise
-        # it may have parked with its token (the reply lost): its copy, sent with it, sorts that out
-        _slot_again(task, request, args, kwargs, settings, server, token, entry, f"parking it failed ({exc})")
-        return None
+    place = queue.park(
+        server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
+        owner_id=request.id, message=message, first=first,
+        again=(request.headers or {}).get(ENTRY) == entry,
+        redelivered=bool((request.delivery_info or {}).get("redelivered")),
+        # a redelivery under "coalesce" parks, unless it was merged already: then it stays merged
+        merge=action is Action.COALESCE or (action is Action.PARK and settings.on_duplicate == "coalesce"),
+        block=block,
+    )
     if not place:
         return None
     if place == queue.CLAIM:  # its turn came while it looked: the key is reserved for this copy
@@ -100,126 +88,37 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     sweeping.get_sweeper().remember(server, key, entry, request.id, settings.ttl, message)
     sweeping.get_sweeper().watch(server, settings.index)
     if block and not already and isinstance(server, LockServer):
-        got = _slot_wait(task, request, args, kwargs, settings, server, key, entry, token, sent)
-        if got is not _STILL_PARKED:
-            return got if isinstance(got, Lock) else None
+        lock = _in_slot(task, request, args, kwargs, settings, server, key, entry)
+        if lock is not None:
+            return lock
     parked.ends_waiting(task, request, key, place, holder_id, entry, same, already)
 
 
-_STILL_PARKED = object()
-"""What :func:`_slot_wait` returns when the wait in the slot ended with the call still in line."""
-
-
-def _slot_wait(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
-               key: str, entry: str, token: str, sent: float) -> Lock | None | object:
-    """A parked call waits in its worker slot (``lock_wait_in_slot``): the Lock when it was handed the
-    key there, None when it was sent again (try again: only in eager mode), or :data:`_STILL_PARKED`."""
+def _in_slot(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
+             key: str, entry: str) -> Lock | None:
+    """``lock_wait_in_slot``: wait for the hand-off in the worker slot, briefly (the hot-key fast path).
+    The Lock when it was woken there and claimed the key; None when it stays parked as usual (its
+    message goes in its turn); Ignore when its turn came as a message (that copy runs it), or its place
+    was lost with the lock Redis's data (its process's sweeper sends it again)."""
     try:
-        got = _in_slot(task, request, args, kwargs, settings, server, key, entry, token)
-    except LockError as exc:  # (with a token) it may have been made the key's owner: sent again with it
-        _slot_again(task, request, args, kwargs, settings, server, token, entry,
-                    f"waiting in its worker slot failed ({exc}); whether it was handed the key is unknown")
+        got = queue.wait_in_slot(server, key, entry, settings.wait_in_slot)
+    except LockError as exc:
+        # its mark in Redis runs out by itself: it is then an ordinary parked task, and a key reserved for
+        # it meanwhile is sent to it as a message once that reservation runs out (SWEEP)
+        logger.warning("lock %s: task %s stops waiting in its slot (%s); parked", key, request.id, exc)
         return None
-    if got == queue.UNKNOWN:  # (its place went with the data: its process's sweeper sends it again)
+    if got == queue.WOKEN:
+        # forgotten before the claim: a claim in the slot leaves no tombstone, and the sweeper must not
+        # take the entry for one lost with the data (if the claim fails, its copy carries the entry)
+        sweeping.get_sweeper().forget(server, key, entry)
+        return _claim(task, request, args, kwargs, settings, server, key, entry)
+    if got == queue.SENT:
+        raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot: that copy runs it")
+    if got == queue.UNKNOWN:
         logger.warning("task %s[%s]: its place in the line of lock %s was lost with the lock Redis's data "
                        "while it waited in its slot; sent again by the sweeper", task.name, request.id, key)
         raise Ignore(f"its place in the line of lock {key} was lost: the sweeper sends it again")
-    if got == queue.LAPSED:
-        _slot_again(task, request, args, kwargs, settings, server, token, entry,
-                    "it was handed the key while it waited in its worker slot, and that lock ran out "
-                    "before it learnt so (the process was stopped or starved)")
-        return None
-    if isinstance(got, queue.Handed):
-        return _handed(task, request, args, kwargs, settings, server, key, entry, token, got.fence, sent)
-    if isinstance(got, Lock):
-        return got
-    return _STILL_PARKED
-
-
-def _in_slot(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
-             key: str, entry: str, token: str) -> Lock | queue.Handed | int | None:
-    """``lock_wait_in_slot``: wait for the hand-off in the worker slot, briefly (the hot-key fast path). The
-    Lock if it was handed the key meanwhile (Handed: made its own already); None once it is parked as
-    usual; LAPSED or UNKNOWN (see :func:`~.engine.line.wait_in_slot`); Ignore if its turn came as a
-    message (the copy runs it) or went to another delivery of the call. A LockError if it parked with
-    ``token`` and cannot tell whether the key was made its own (Redis unreachable as the wait ended)."""
-    try:
-        got = queue.wait_in_slot(server, key, entry, settings.wait_in_slot, token)
-    except LockError as exc:  # its mark in Redis runs out by itself: then it is an ordinary parked task
-        if token:  # ... unless the key was made its own meanwhile: the caller sends it again, with its token
-            raise
-        logger.warning("lock %s: task %s stops waiting in its slot (%s); parked", key, request.id, exc)
-        return None
-    if isinstance(got, queue.Handed) or got == queue.WOKEN:
-        taken = got if isinstance(got, queue.Handed) else _claim(task, request, args, kwargs, settings, server, key,
-                                                                  entry)
-        sweeping.get_sweeper().forget(server, key, entry)  # (its turn came here: nothing to recover)
-        return taken
-    if got == queue.SENT:
-        raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot, or went to "
-                     "another delivery of the call that waits in its place: that one runs it")
-    return got if got in (queue.LAPSED, queue.UNKNOWN) else None
-
-
-def _handed(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
-            key: str, entry: str, token: str, fence: int, sent: float) -> Lock | None:
-    """The key made this waiter's own while it waited in its slot: its Lock, its lease counted from
-    when it parked (the hand-off came after that, so the lease is never thought longer than it is).
-
-    Learnt later than a third of the TTL after it parked (a long wait, or a stopped or starved process),
-    the lock is confirmed by a renewal before it is trusted, as the watchdog's first renewal would be
-    overdue. If it ran out meanwhile (the key may have passed on), the call is sent again, to run in its
-    turn; None in eager mode, to try again."""
-    lock = Lock(server, key, token, fence, settings.ttl, request.id, confirmed_at=sent, acquired_at=time.monotonic())
-    late = time.monotonic() - sent
-    if late < settings.ttl / 3:
-        return lock
-    try:
-        if server.renew(lock):
-            return lock
-        why = "it had run out by then"
-    except LockError as exc:  # (its token goes with the call: the copy takes it back if it is still held)
-        why = f"it could not be confirmed ({exc})"
-    _slot_again(task, request, args, kwargs, settings, server, token, entry,
-                f"the key was handed to it while it waited in its worker slot, {late:.2f}s after it parked "
-                f"(more than a third of the lock's ttl of {settings.ttl:g}s), and {why}")
     return None
-
-
-def _slot_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockBackend,
-                token: str, entry: str, why: str) -> None:
-    """A slot waiter that cannot run now and may have been handed the key: its call is sent again, as
-    when Redis is unreachable (``lock_max_retries`` counts it), carrying its token (the copy takes the
-    key back if it is still held under it) and its entry (:func:`slot_copy`). Returns only in eager mode."""
-    exc = LockBackendUnavailable(server.url, why)
-    attempt = _count(request, UNREACHABLE)
-    if attempt >= settings.max_retries:
-        raise exc
-    logger.warning("task %s[%s]: %s; sent again (attempt %d of %d)", task.name, request.id, why, attempt + 1,
-                   settings.max_retries)
-    _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, why, exc, token, slot=entry)
-
-
-def slot_copy(task: Any, request: Any, server: LockServer, key: str, entry: str, token: str) -> bool:
-    """The copy :func:`_slot_again` sent, before it tries the key: its entry's wait in the slot is ended
-    for good (UNBLOCK, with the token it parked with, in one round trip), so the key is never made the
-    owner of a wait nobody is in. Made the key's owner (its lock still held, or gone since), or unknown
-    (it never parked) -> it goes on (its token takes the key back if it is still held); in the line,
-    its turn sent, taken by that turn's copy, or handed to another delivery of the call that parked in
-    its place -> it ends (Ignore): that entry or delivery runs the call, or ran it. Unknown because the
-    lock Redis lost its data: the sweeper of the process that parked it sends that park again too; the
-    result backend tells whether that copy took the call over (then this one ends), as it does for a
-    gone lock (LAPSED) that may have been the other delivery's. Returns whether it went on without a
-    lock of its own to take back (LAPSED, UNKNOWN): it then asks again once it holds the key
-    (:func:`.identity.other_copy_ran`)."""
-    got = queue.stop_waiting(server, key, entry, token)
-    if isinstance(got, queue.Handed):  # (the key is still its own: no other copy can have run the call)
-        return False
-    if got in (queue.LAPSED, queue.UNKNOWN) and not identity.slot_entry_ran(task, request, entry):
-        return True
-    logger.info("task %s[%s]: its entry in the line of lock %s runs the call (or ran it): this copy ends",
-                task.name, request.id, key)
-    raise Ignore(f"its entry in the line of lock {key} runs the call")
 
 
 def _claim(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockBackend,
@@ -330,20 +229,17 @@ def unreachable(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
 
 def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, counter: str,
                 attempt: int, reason: str, exc: Exception, token: str | None = None,
-                redelivered: bool = False, slot: str = "", entry: str = "") -> None:
+                redelivered: bool = False, entry: str = "") -> None:
     delay = _delay(settings, attempt)
     if request.is_eager:
         setattr(request, counter, attempt + 1)
         time.sleep(delay)
         return
-    kept = (UNREACHABLE, BACKOFF, TOKEN, REDELIVERED, MARKED, SLOT)
+    kept = (UNREACHABLE, BACKOFF, TOKEN, REDELIVERED, MARKED)
     headers = {k: v for k, v in (request.headers or {}).items() if k in kept}
     headers[counter] = attempt + 1
     if redelivered:
         headers[REDELIVERED] = "1"
-    if slot:  # (and when it first parked: a final state stored before that is no run of this call)
-        headers[SLOT] = slot
-        headers[PARKED_AT] = handoff.first_parked_at(request) or time.time()
     if token:
         headers[TOKEN] = token
     if entry:  # a turn's claim: its entry, and when it first parked (a run stored before that is not its)

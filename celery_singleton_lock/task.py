@@ -40,7 +40,7 @@ from .engine import reentry
 from .engine.lock import Done, Holder, Lock
 from .engine.server import LockBackend
 from .exceptions import LockBackendUnavailable, LockError
-from .headers import ENTRY, MARKED, REDELIVERED, SLOT, TOKEN
+from .headers import ENTRY, MARKED, REDELIVERED, TOKEN
 from .headers import PREFIX as HEADER_PREFIX
 from .signals import lock_acquired, lock_lost
 from .watchdog.process import get_watchdog
@@ -207,7 +207,7 @@ class LockedTask(Task):
         request, headers = self.request, self.request.headers or {}
         key = self.__dict__["_singleton_lock_keys"](args, kwargs)  # keys.derive, the per-task part done once
         server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
-        slot_looked = arrival.first_look(self, request, args, kwargs, settings, server, key)
+        arrival.first_look(settings, server, key, request, self)
         resent = bool(headers.get(REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
         redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
         entry = headers.get(ENTRY) or None
@@ -228,7 +228,7 @@ class LockedTask(Task):
                 publishing.started(self, request, key, server)
                 headers = {}
             if isinstance(outcome, Lock):  # the common case, first: no table to consult
-                arrival.drop_if_ran(self, request, settings, key, outcome, resent, slot_looked)
+                arrival.drop_if_ran(self, request, settings, key, outcome, resent)
                 return self._run_with(outcome, request, settings)
             if who is None:
                 who = identity.delivery(self, request, settings.on_duplicate, policies.has_line(server, request),
@@ -283,7 +283,7 @@ class LockedTask(Task):
         lock_acquired.send(sender=self, key=lock.key, task_id=request.id, lock=lock)
         headers = request.headers or {}
         entry = headers.get(ENTRY)
-        if self.lock_track_started or entry or headers.get(SLOT):  # (a slot waiter's copy names its entry too)
+        if self.lock_track_started or entry:
             identity.mark_started(self, request, self.lock_track_started)
         if entry and settings.on_duplicate == "coalesce":  # the calls merged into this waiter: it covers them
             coalescing.take(lock.server, request, lock.key)

@@ -28,8 +28,6 @@ ROWS = [
     (Found.HELD_BY_SELF, Delivery("skip", eager=True), Action.WAIT_HERE),
     (Found.HELD_BY_SELF, Delivery("skip", handoff=True), Action.DROP),
     (Found.HELD_BY_SELF, Delivery("skip", recovered=True), Action.DROP),
-    (Found.HELD_BY_SELF, Delivery("retry", slot_copy=True), Action.DROP),  # (the recovered copy runs it)
-    (Found.HELD_BY_SELF, Delivery("retry", slot_copy=True, redelivered=True), Action.PARK_SAME),  # (it died)
     (Found.HELD_BY_SELF, Delivery("skip", redelivered=True), Action.PARK_SAME),
     (Found.HELD_BY_SELF, Delivery("skip"), Action.PARK_FIRST),
     (Found.HELD_BY_SELF, Delivery("skip", retry=True), Action.PARK_FIRST),

@@ -382,12 +382,12 @@ def test_a_slot_waiter_killed_while_it_waits_runs_in_its_turn_from_its_parked_me
     assert_no_overlap([(r["start"], r["end"]) for r in done])
 
 
-def test_a_slot_waiter_handed_the_key_while_stopped_past_the_ttl_gives_it_back_and_runs_once(env):
-    """The worker child waiting in its slot is SIGSTOPped; the holder's release makes the key its own
-    while it is stopped; the lock runs out, and the sweeper hands the key to the next in line, which
-    runs. Resumed, the stopped child learns of its hand-off long after it parked: it confirms the lock
-    before trusting it (a body now would overlap the running one), finds it gone, and sends its call
-    again, which runs in its turn. Every call runs once, none overlap."""
+def test_a_slot_waiter_woken_while_stopped_past_the_ttl_gets_its_turn_as_a_message_and_runs_once(env):
+    """The worker child waiting in its slot is SIGSTOPped; the holder's release reserves the key for it
+    and wakes it while it is stopped; the reservation runs out, and the sweeper sends its turn as a
+    message, which another child runs, before the next in line. Resumed, the stopped child claims too
+    late (its entry is gone, or taken by its turn's copy) and ends. Every call runs once, in order, and
+    none overlap."""
     import signal
 
     key = _key()
@@ -406,22 +406,22 @@ def test_a_slot_waiter_handed_the_key_while_stopped_past_the_ttl_gives_it_back_a
     try:
         second = env.in_slot_long.delay(key, 4.0, "second")
         assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
-        # the key was made the stopped child's own; it runs out (TTL 5 s) and the second one gets it
+        # the key is reserved for the stopped child; that runs out (TTL 5 s), its turn goes as a message
         wait_until(lambda: "second" in [r["tag"] for r in map(json.loads, env.journal.lrange(f"started:{key}", 0, -1))],
-                   TIMEOUT, what="the second duplicate to start after the stopped one's lock ran out")
+                   TIMEOUT, what="the second duplicate to start after the stopped one's reservation ran out")
     finally:
         os.kill(child, signal.SIGCONT)
     assert second.get(timeout=TIMEOUT)["tag"] == "second"
     assert first.get(timeout=TIMEOUT)["tag"] == "first"
     done = runs(env, key)
-    assert sorted(r["tag"] for r in done) == ["first", "holder", "second"], done
+    assert [r["tag"] for r in done] == ["holder", "first", "second"], done
     assert_no_overlap([(r["start"], r["end"]) for r in done])
-    assert sent_again(env, key)["first"] == 1  # (its copy ran it)
+    assert sent_again(env, key)["first"] is None  # (its turn's message ran it: nothing was sent again)
 
 
-def test_a_slot_waiter_handed_the_key_after_a_long_wait_confirms_it_and_runs_there(env):
-    """A wait in the slot longer than a third of the TTL (5 s here): the waiter's lease counts from when
-    it parked, so it renews the lock once before it trusts it, and runs in the same delivery."""
+def test_a_slot_waiter_woken_after_a_long_wait_claims_the_key_and_runs_there(env):
+    """A wait in the slot longer than a third of the TTL (5 s here): woken, the waiter claims the key
+    and runs in the same delivery (nothing is sent again)."""
     key = _key()
     holder = env.in_slot_long.delay(key, 2.5, "holder")
     started(env, key)

@@ -780,15 +780,14 @@ def test_duplicate_skipped_is_sent_with_each_policy_name(redis_server, run_worke
     assert [r.task_id for r in runs.of(keys["skip"])] == [holders["skip"].id]  # the redelivered copy never ran
 
 
-def test_after_a_data_loss_each_copy_of_a_waiting_call_counts_only_the_others_start_as_a_run(app):
-    """After the lock Redis lost its data, two copies of one call that waited in its worker slot may each
-    look in the result backend for the other's start: the call the waiter sent again (header SLOT) and
-    the sweeper's recovered copy of its place. A STARTED that a copy stored itself, read by a broker
-    redelivery of it (its worker died mid-body), is not the other's run: counting it would lose the call."""
+def test_after_a_data_loss_a_recovered_copy_counts_only_another_deliverys_start_as_a_run(app):
+    """After the lock Redis lost its data, the sweeper's recovered copy of a waiting call looks in the
+    result backend for another delivery's start. A STARTED that the copy stored itself, read by a broker
+    redelivery of it (its worker died mid-body), is not another's run: counting it would lose the call."""
     from celery.app.task import Context
 
     from celery_singleton_lock import LockedTask, identity
-    from celery_singleton_lock.headers import ENTRY, PARKED_AT, RECOVERED, SLOT, TOKEN
+    from celery_singleton_lock.headers import ENTRY, PARKED_AT, RECOVERED
 
     @app.task(base=LockedTask, bind=True)
     def waiting(self):
@@ -799,30 +798,14 @@ def test_after_a_data_loss_each_copy_of_a_waiting_call_counts_only_the_others_st
     def request(headers, redelivered=False):
         return Context(id=task_id, headers=headers, delivery_info={"redelivered": redelivered}, is_eager=False)
 
-    slot_copy = {SLOT: entry, TOKEN: "t1"}
     recovered = {ENTRY: entry, RECOVERED: "c1", PARKED_AT: str(time.time() - 5)}
-    identity.mark_started(waiting, request(slot_copy), False)  # the re-sent call starts, then dies
-    assert waiting.backend.get_task_meta(task_id, cache=False)["result"]["slot"] == "t1"
-    assert not identity.slot_entry_ran(waiting, request(slot_copy, redelivered=True), entry)  # its own start
-    assert identity.ran_since_park(waiting, request(recovered))  # the other copy's start: a run
-    assert identity.ran_since_park(waiting, request(recovered, redelivered=True))  # (also for its redelivery)
-
+    assert not identity.ran_since_park(waiting, request(recovered))  # nothing stored yet
     identity.mark_started(waiting, request(recovered), False)  # the recovered copy starts, then dies
-    assert identity.slot_entry_ran(waiting, request(slot_copy), entry)  # the other copy's start: a run
     assert not identity.ran_since_park(waiting, request(recovered, redelivered=True))  # its own start
     assert identity.ran_since_park(waiting, request({**recovered, RECOVERED: "c2"}, redelivered=True))  # another's
 
     identity.mark_started(waiting, request({ENTRY: entry}), False)  # the entry's turn starts (a long body)
     assert identity.ran_since_park(waiting, request(recovered, redelivered=True))  # a run, whoever asks
     # once a copy holds the key it asks again (the other's whole run may fit between its look and its acquire)
-    assert identity.other_copy_ran(waiting, request(slot_copy), True)
-    assert identity.other_copy_ran(waiting, request(recovered), False)
-    assert not identity.other_copy_ran(waiting, request(slot_copy), False)  # (it took back a key still its own)
-    assert not identity.other_copy_ran(waiting, request({}), True)  # (any other delivery: no look at all)
-
-    # a SUCCESS of an earlier call with the same task id (Celery keeps it over later states) is no run
-    # of this one; one stored after this call first parked is
-    task_id = uuid.uuid4().hex
-    waiting.backend.store_result(task_id, "earlier", "SUCCESS")
-    assert not identity.slot_entry_ran(waiting, request({**slot_copy, PARKED_AT: time.time() + 10}), entry)
-    assert identity.slot_entry_ran(waiting, request({**slot_copy, PARKED_AT: time.time() - 10}), entry)
+    assert identity.other_copy_ran(waiting, request(recovered))
+    assert not identity.other_copy_ran(waiting, request({}))  # (any other delivery: no look at all)

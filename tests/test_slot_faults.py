@@ -212,11 +212,6 @@ def _restart_while_in_slot(env, down: float, task=None) -> None:
     finally:
         print("\n[slot-faults] runs:", [(r["tag"], r["headers"]) for r in runs(env, k)])
     wait_until(lambda: len(runs(env, k)) >= 2, TIMEOUT, what="both runs to end")
-    # a SLOT re-send (if the waiter's UNBLOCK failed) comes up to 4 s after it: let it arrive and end
-    deadline = time.monotonic() + 6.0
-    while time.monotonic() < deadline and not any(
-            "slot" in d["headers"] for d in map(json.loads, env.journal.lrange(f"delivered:{k}", 0, -1))):
-        time.sleep(0.05)
     quiet_then_check(env, k, 2)
     once_each(env, k, [holder, dup], ["holder", "dup"])
     assert len(runs(env, k)) == 2, runs(env, k)
@@ -234,19 +229,17 @@ def test_lock_redis_restarted_empty_while_a_waiter_waits_in_its_slot_runs_it_onc
 @pytest.mark.timeout(90)
 def test_lock_redis_down_then_back_empty_while_a_waiter_waits_in_its_slot_runs_it_once(env):
     """The lock Redis is down for 2 s, then back empty: the waiter cannot end its wait (UNBLOCK fails),
-    so its call is sent again with its slot entry and token (SLOT), and its process's sweeper also
-    sends the lost park again once Redis is back. Each path may run the call: it must run once, and
-    never end FAILURE while the re-send budget (lock_max_retries) is not spent."""
+    so it ends as parked, and its process's sweeper sends the lost park again once Redis is back. The
+    call must run once, and never end FAILURE."""
     _restart_while_in_slot(env, down=2.0)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_lock_redis_restarted_empty_with_a_slow_slot_resend_runs_the_waiter_once(env):
-    """The lock Redis is down 0.3 s (so the waiter's UNBLOCK fails and its call is sent again with
-    SLOT), then back empty; the waiter's re-send is slower than a sweeper's look (lock_retry_backoff
-    4 s: 2 to 4 s): the sweeper's recovered copy of the lost park comes first and runs the call; the
-    SLOT copy, coming after, must not run it again."""
+    """The lock Redis is down 0.3 s (so the waiter's UNBLOCK fails and it ends as parked), then back
+    empty, with a task whose re-sends are slow (lock_retry_backoff 4 s): the sweeper's recovered copy of
+    the lost park runs the call, once."""
     _restart_while_in_slot(env, down=0.3, task=env.slot_slow_resend)
 
 
@@ -285,11 +278,11 @@ def test_lock_data_lost_then_the_recovered_copy_waits_in_a_slot_beside_the_origi
     """Default TTL (30 s). A waiter blocks in its slot (5 s); the lock data is lost (FLUSHDB of the
     private lock db: the waiter's BLPOP connection stays up); a newcomer takes the now free key. The
     waiter's process sends its lost park again; that recovered copy finds the key held, parks under
-    the SAME entry id (entry_for(task id, retries)) and waits in a slot too, with a token of its own.
-    The newcomer's release then makes the key the recovered copy's and pushes the fence to the shared
-    wake-up list, where the ORIGINAL delivery (blocked there since before the loss, so first in
-    Redis's BLPOP order) reads it. The call must run once, and no two bodies of the key may overlap
-    (its 4 s body outlasts the rest of the recovered copy's slot wait)."""
+    the SAME entry id (entry_for(task id, retries)) and waits in a slot too. The newcomer's release
+    reserves the key for that entry and pushes one wake-up to the shared list, where the ORIGINAL
+    delivery (blocked there since before the loss, so first in Redis's BLPOP order) reads it and claims
+    the key; the recovered copy's wait then ends with its place gone. The call must run once, and no two
+    bodies of the key may overlap (its 4 s body outlasts the rest of the recovered copy's slot wait)."""
     task = env.slot_ttl30
     k = _key()
     holder = task.delay(k, 0.5, "holder")
@@ -323,8 +316,8 @@ def test_lock_data_lost_then_the_recovered_copy_waits_in_a_slot_beside_the_origi
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_acks_late_waiter_killed_after_the_hand_off_before_its_body_runs_once(env):
-    """acks_late + reject_on_worker_lost: the slot waiter is SIGKILLed right after the release made the
-    key its own (before its body). The key stays held by the dead waiter's token until the TTL; the
+    """acks_late + reject_on_worker_lost: the slot waiter is SIGKILLed right after it claimed the key the
+    release reserved for it (before its body). The key stays held by the dead waiter's token until the TTL; the
     broker delivers the message again, and it runs once, after the holder; the next waiter runs after
     it. No call is lost or doubled, no bodies overlap."""
     k = _key()
@@ -382,9 +375,8 @@ def test_early_ack_waiter_killed_after_the_hand_off_frees_the_key_for_the_next(e
 @pytest.mark.timeout(90)
 def test_unblock_reply_lost_twice_the_slot_copy_ends_and_the_entry_runs_once_in_its_turn(env):
     """The waiter's slot wait runs out behind a long holder; its UNBLOCK runs in Redis (it is parked
-    now) but the reply is lost, twice (the client's own retry too): it cannot tell whether it was
-    handed the key, so its call is sent again with SLOT. The copy's UNBLOCK says "in line": the copy
-    ends, and the parked entry runs once, in its turn, after the holder."""
+    now) but the reply is lost, twice (the client's own retry too): it ends as parked, and the entry
+    runs once, in its turn's message, after the holder."""
     unblock = sha_of(line_scripts.UNBLOCK)
     k = _key()
     holder = env.slot.delay(k, 2.5, "holder")
@@ -398,17 +390,17 @@ def test_unblock_reply_lost_twice_the_slot_copy_ends_and_the_entry_runs_once_in_
     done = once_each(env, k, [holder, dup], ["holder", "dup"])
     assert_no_overlap([(r["start"], r["end"]) for r in done])
     [ran] = [r for r in done if r["tag"] == "dup"]
-    assert ran["headers"].get("entry"), ran  # its turn's message ran it (the SLOT copy ended)
+    assert ran["headers"].get("entry"), ran  # its turn's message ran it
     quiet_then_check(env, k, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_wake_up_and_unblock_replies_lost_the_handed_waiter_runs_once_from_its_slot_copy(env):
-    """The release makes the key the slot waiter's own and pushes its fence; the BLPOP that reads it
-    loses its reply, and so do both tries of the UNBLOCK that follows: the waiter cannot tell it holds
-    the key. Its SLOT copy finds the key held under its token, takes it back, and runs the call: once,
-    with no overlap, and the key is not left held by a token nobody uses (the next call runs)."""
+def test_wake_up_and_unblock_replies_lost_the_woken_waiter_runs_once_in_its_turn(env):
+    """The release reserves the key for the slot waiter and wakes it; the BLPOP that reads the wake-up
+    loses its reply, and so do both tries of the UNBLOCK that follows: the waiter cannot tell it was
+    woken, and ends as parked. The reservation runs out and the sweeper sends its turn: the call runs
+    once, with no overlap, and the key is not left reserved for nobody (the next call runs)."""
     unblock = sha_of(line_scripts.UNBLOCK)
     k = _key()
     holder = env.slot.delay(k, 0.6, "holder")
@@ -429,7 +421,7 @@ def test_wake_up_and_unblock_replies_lost_the_handed_waiter_runs_once_from_its_s
     done = once_each(env, k, [holder, dup, after], ["holder", "dup", "after"])
     assert_no_overlap([(r["start"], r["end"]) for r in done])
     [ran] = [r for r in done if r["tag"] == "dup"]
-    assert ran["headers"].get("slot"), ran  # the SLOT copy ran it
+    assert ran["headers"].get("entry"), ran  # its turn's message ran it
     quiet_then_check(env, k, 3)
 
 

@@ -18,12 +18,8 @@ every key below lives in K's hash slot and no script touches two slots):
     ``s`` a redelivered copy of the running task (dropped if it succeeds),
     ``p`` plain code blocked in ``held(..., wait=...)`` (woken through
     ``K:wake:<entry>``); state ``p`` parked, ``b`` a task still waiting in its
-    worker slot while ``K:b:<entry>`` lives (``lock_wait_in_slot``; its value ``"<token>
-    <metadata>"``: a hand-off makes the key that task's own, takes it out of the line (its
-    tombstone's score then ends in half a millisecond) and wakes it with ``"<fence> <token>"``
-    (the token says which delivery of the call it was made for); an older
-    worker's mark is ``1``), ``w`` such a
-    task woken there through ``K:wake:<entry>`` (mark ``1``: the key reserved for it; no
+    worker slot while ``K:b:<entry>`` lives (``lock_wait_in_slot``), ``w`` such a
+    task woken there through ``K:wake:<entry>`` to claim the key reserved for it (no
     message is sent unless the reservation runs out), ``h`` handed the key (its
     message not yet known to be sent: the reservation lasts one lock TTL, then
     the sweeper sends it again), ``c`` handed and sent (the reservation lasts

@@ -44,13 +44,12 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from redis.exceptions import RedisError
 
 from ..exceptions import LockError
-from . import layout, line_scripts, wire
+from . import layout, line_scripts
 from .lock import Handoff, Holder, Lock, Verdict, ms, slot_safe
 from .server import LockBackend, LockServer
 
@@ -148,7 +147,6 @@ def park(
     redelivered: bool = False,
     merge: bool = False,
     block: float = 0.0,
-    token: str = "",
 ) -> int:
     """Put a waiter in ``name``'s line: its place (1 = next), 0 if the key is free and nobody
     waits (then take it instead), or its place if ``entry`` is parked already and
@@ -163,9 +161,8 @@ def park(
     ``merge`` (``on_duplicate="coalesce"``): if the last in line is a parked task, the
     message joins its merged calls instead (:class:`Merged`; see :mod:`.dedupe`).
     ``block`` > 0: the task goes on waiting in its worker slot that many seconds
-    (:func:`wait_in_slot`); a hand-off meanwhile wakes it there instead of sending its message.
-    With ``token`` too, that hand-off makes the key its own at once, under ``token`` (:class:`Handed`):
-    the wake-up is the acquire, with no claim round trip after it.
+    (:func:`wait_in_slot`); a hand-off meanwhile wakes it there, to claim the key, instead of sending
+    its message.
     """
     if "\n" in owner_id:
         raise ValueError(f"an owner id cannot contain a newline: {owner_id!r}")
@@ -178,8 +175,7 @@ def park(
     reply = server.run(
         line_scripts.PARK, server.keys_for(key),
         (entry, kind, ms(wait), ms(ttl), owner_id, message, "1" if first else "0", "1" if again else "0",
-         "1" if redelivered else "0", "1" if merge else "0", str(ms(block)) if block > 0 else "0",
-         f"{token} {wire.meta(owner_id)}" if token and block > 0 else ""),
+         "1" if redelivered else "0", "1" if merge else "0", str(ms(block)) if block > 0 else "0"),
     )
     status = int(reply[0])
     if status == 4:
@@ -193,68 +189,34 @@ def park(
     return int(reply[1]) if status == 1 else 0
 
 
-LAPSED, WOKEN, PARKED, SENT, UNKNOWN = 3, 2, 1, 0, -1
-"""What :func:`wait_in_slot` returns: the key was made its own but that lock ran out before it learnt so
-(a stopped process: send the call again); the key is reserved for it (claim it now); it is parked (its
-message goes when its turn comes); or its turn came as a message already (or it left the line, or
-another delivery of the same call parked in its place and runs it): the delivery ends; or neither its
-record nor its tombstone is there (it never parked, or the data was lost: the sweeper of the process
-that parked it sends it again). Or a :class:`Handed`."""
+WOKEN, PARKED, SENT, UNKNOWN = 2, 1, 0, -1
+"""What :func:`wait_in_slot` returns: the key is reserved for it (claim it now); it is parked (its
+message goes when its turn comes); its turn came as a message already (or it left the line): the
+delivery ends; or neither its record nor its tombstone is there (it never parked, or the data was
+lost: the sweeper of the process that parked it sends it again)."""
 
 
-@dataclass(frozen=True)
-class Handed:
-    """The key was made the waiter's own, under the token it parked with (:func:`park`'s ``token``),
-    with this fencing token: it holds the lock now."""
-
-    fence: int
-
-
-def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float, token: str = "") -> int | Handed:
+def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> int:
     """Wait in the worker slot for the hand-off of a task parked with ``block``, up to ``seconds``.
 
     The hot-key fast path: a release wakes the waiter through its wake-up list in the same round trip
-    that hands it the key, and it runs at once, with no message through the broker. Past ``seconds``
-    it stops waiting there (one script decides, atomically, against a hand-off landing meanwhile).
-    A hand-off whose wake-up was missed (not read in time, or its reply lost) is found there too, from
-    the lock's value (``token``, the one it parked with) or, once that lock is gone, its tombstone.
+    that reserves the key for it, and it claims the key at once, with no message through the broker.
+    Past ``seconds`` it stops waiting there (one script decides, atomically, against a hand-off landing
+    meanwhile). A wake-up whose reply was lost is found there too: the waiter's record says it was woken.
     """
-    key = slot_safe(name)
     try:
-        woken = server.client.blpop([layout.wake(key, entry)], timeout=seconds)
-    except RedisError as exc:
-        woken = None
-        logger.warning("lock %s: waiting in the worker slot failed (%s); parked instead", name, exc)
-    if woken:
-        value = woken[1] if isinstance(woken[1], str) else woken[1].decode()  # (a decode_responses client)
-        if value == "1":
+        if server.client.blpop([layout.wake(slot_safe(name), entry)], timeout=seconds):
             return WOKEN
-        fence, _, whose = value.partition(" ")
-        if whose == token:
-            return Handed(int(fence))
-        # the key was made the own of another delivery of this call, which parked in this one's place
-        # since (its copy sent again, or the sweeper's after a loss of the data) and blocks on the same
-        # list: that one runs the call, and its wake-up goes back for it (else it finds its hand-off
-        # only when its own wait ends)
-        logger.warning("lock %s: entry %s was handed to another delivery of its task, which waits in its "
-                       "place; this delivery ends", name, entry)
-        try:
-            server.run(line_scripts.WAKE_AGAIN, server.keys_for(key), (entry, value))
-        except LockError as exc:
-            logger.warning("lock %s: could not put the wake-up back for it (%s)", name, exc)
-        return SENT
-    return stop_waiting(server, name, entry, token)
+    except RedisError as exc:
+        logger.warning("lock %s: waiting in the worker slot failed (%s); parked instead", name, exc)
+    return stop_waiting(server, name, entry)
 
 
-def stop_waiting(server: LockServer, name: str, entry: str, token: str = "") -> int | Handed:
+def stop_waiting(server: LockServer, name: str, entry: str) -> int:
     """End ``entry``'s wait in its worker slot, atomically against a hand-off (UNBLOCK): what
-    :func:`wait_in_slot` returns. Safe to repeat; also how a copy of that task, sent again, makes sure
-    nobody is made the key's owner for a wait that no longer happens."""
+    :func:`wait_in_slot` returns."""
     key = slot_safe(name)
-    reply = server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry, token))
-    if isinstance(reply, list):
-        return Handed(int(reply[1])) if int(reply[0]) == 3 else LAPSED
-    return int(reply)
+    return int(server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry,)))
 
 
 def leave(server: LockBackend, name: str, entry: str) -> bool:

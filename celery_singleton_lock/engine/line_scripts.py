@@ -19,44 +19,24 @@ PARK = _KEYS + """
 -- id> says where it went) and {4, entry, owner} is returned.
 -- ARGV[11] ms the task waits in its worker slot ('0' none): state 'b', and LOCK:b:<entry> lives that
 -- long; a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message.
--- ARGV[12] ('' none) "<token> <metadata>" of the lock it would take: the hand-off then makes the key
--- its own at once (no claim), and the wake-up carries the fence and that token.
 -- Returns {0} when the key is free and nobody waits (take it instead), {5} when the key is reserved
 -- for this entry (its copy, ARGV[8]: claim it),
 -- {2, place (0: out of line, its copy on its way)} when the entry is parked
 -- already (a task's entry id comes from its task id: a redelivery of a parked
 -- message must not park it twice), else {1, place in line}.
 local kind, first = ARGV[2], ARGV[7]
-if ARGV[9] == '1' and ARGV[8] ~= '1' then
-  -- its turn was taken already: {3}. A tombstone of half a millisecond is a slot waiter made the
-  -- key's owner in its slot: no copy ran it. Still holding the key, it may yet die: this redelivery
-  -- waits as a copy of the running task (dropped when it succeeds); if it succeeded: {3}; if it
-  -- died and its lock ran out, this redelivery runs it
-  local left = redis.call('ZSCORE', LOCK .. ':g', ARGV[1])
-  if left and (tonumber(left) % 1 == 0 or redis.call('ZSCORE', DONE, ARGV[5])) then return {3} end
-  local held = left and redis.call('GET', LOCK)
-  local meta = held and string.match(held, '^%S+ %d+ (.*)$')
-  if meta and cjson.decode(meta).owner == ARGV[5] then kind, first = 's', '1' end
+if ARGV[9] == '1' and ARGV[8] ~= '1' and redis.call('ZSCORE', LOCK .. ':g', ARGV[1]) then
+  return {3}  -- its turn was taken already (a claim in a worker slot leaves no tombstone)
 end
 if ARGV[10] == '1' then
   -- a redelivery of a call merged already: it stays merged (its waiter's run covers it, or did)
   local into = redis.call('GET', LOCK .. ':mo:' .. ARGV[5])
   if into then return {4, '', into} end
 end
-local mine = (ARGV[12] or '') ~= '' and string.match(ARGV[12], '^%S+')  -- the token it would hold
 if ARGV[8] ~= '1' and redis.call('HEXISTS', WAITERS, ARGV[1]) == 1 then
-  local place = (redis.call('LPOS', LINE, ARGV[1]) or -1) + 1
-  local mark = redis.call('GET', LOCK .. ':b:' .. ARGV[1])
-  -- this very call sent again (its reply lost): its mark carries its token; it waits in its slot
-  if mine and mark == ARGV[12] then return {1, place} end
-  -- another delivery of it waits in a slot no longer (it was sent again): the entry becomes an
-  -- ordinary parked one, whose message goes in its turn, rather than made a token's that nobody holds
-  if mark and mark ~= '1' then redis.call('DEL', LOCK .. ':b:' .. ARGV[1]) end
-  return {2, place}
+  return {2, (redis.call('LPOS', LINE, ARGV[1]) or -1) + 1}
 end
 local held = redis.call('GET', LOCK)
--- this very call sent again after the key was made its own: it reads its wake-up (nothing touched)
-if mine and held and string.sub(held, 1, #mine + 1) == mine .. ' ' then return {1, 1} end
 if ARGV[8] == '1' and held and string.sub(held, 1, #ARGV[1] + 2) == '~' .. ARGV[1] .. ' ' then
   -- the entry's own copy, and the key was handed to it since it looked: it claims it (parking
   -- again would leave the key reserved for nobody who waits for it)
@@ -89,9 +69,8 @@ local wait = tonumber(ARGV[3])
 local state = 'p'
 if (ARGV[11] or '0') ~= '0' then
   state = 'b'
-  local mark = ARGV[12] or ''
-  redis.call('SET', LOCK .. ':b:' .. ARGV[1], mark ~= '' and mark or '1', 'PX', ARGV[11])
-  redis.call('DEL', LOCK .. ':wake:' .. ARGV[1])  -- (a fence left from an earlier hand-off is not this one's)
+  redis.call('SET', LOCK .. ':b:' .. ARGV[1], '1', 'PX', ARGV[11])
+  redis.call('DEL', LOCK .. ':wake:' .. ARGV[1])  -- (a wake-up left from an earlier hand-off is not this one's)
 end
 local rec = kind .. state .. '\\n' .. string.format('%.0f', now + wait) .. '\\n'
   .. ARGV[4] .. '\\n' .. ARGV[5] .. '\\n' .. ARGV[6]
@@ -166,36 +145,14 @@ return out
 """
 
 UNBLOCK = _KEYS + """
--- ARGV[1] entry id, ARGV[2] the token it parked with ('' none): a task that waited in its worker
--- slot stops waiting there (see PARK's ARGV[11]). Returns 1 parked now (its message is sent when
--- its turn comes), 2 it was woken: the key is reserved for it, claim it now, 0 it was handed the
--- key as a message (or left the line): this delivery ends; -1 no record and no tombstone (never
--- parked, or lost with the data). With a token: {3, fence} the key was made its own (its wake-up
--- not read, or its reply lost); {4} it was, and that lock is gone since. 0 too when the key was
--- made the own of ANOTHER delivery of the same call (sent again, or recovered after a loss of the
--- data), which parked in this one's place since, or when that one waits there now: it runs the call;
--- its wake-up and its wait are left alone.
-local token = ARGV[2] or ''
-local mark_key, wake = LOCK .. ':b:' .. ARGV[1], LOCK .. ':wake:' .. ARGV[1]
-local mark = token ~= '' and redis.call('GET', mark_key)
-if mark and mark ~= '1' and string.sub(mark, 1, #token + 1) ~= token .. ' ' then return 0 end
-redis.call('DEL', mark_key)
-local woke = redis.call('LPOP', wake)
-if woke and woke ~= '1' then
-  local fence, whose = string.match(woke, '^(%d+) (%S+)$')
-  if whose == token then return {3, fence} end
-  redis.call('LPUSH', wake, woke)
-  redis.call('PEXPIRE', wake, math.max(redis.call('PTTL', LOCK), 1))
-  return 0
-end
-local held = token ~= '' and redis.call('GET', LOCK)
-if held and string.sub(held, 1, #token + 1) == token .. ' ' then return {3, string.match(held, '^%S+ (%d+)')} end
+-- ARGV[1] entry id: a task that waited in its worker slot stops waiting there (see PARK's ARGV[11]).
+-- Returns 1 parked now (its message is sent when its turn comes), 2 it was woken: the key is reserved
+-- for it, claim it now, 0 its turn came as a message (or it left the line): this delivery ends;
+-- -1 no record and no tombstone (never parked, or lost with the data).
+redis.call('DEL', LOCK .. ':b:' .. ARGV[1])
+if redis.call('LPOP', LOCK .. ':wake:' .. ARGV[1]) then return 2 end
 local rec = redis.call('HGET', WAITERS, ARGV[1])
-if not rec then
-  local left = redis.call('ZSCORE', LOCK .. ':g', ARGV[1])
-  if left and token ~= '' and tonumber(left) % 1 ~= 0 then return {4} end  -- a direct hand-off's tombstone
-  return left and 0 or -1
-end
+if not rec then return redis.call('ZSCORE', LOCK .. ':g', ARGV[1]) and 0 or -1 end
 local state = string.sub(rec, 2, 2)
 if state == 'b' then
   redis.call('HSET', WAITERS, ARGV[1], string.sub(rec, 1, 1) .. 'p' .. string.sub(rec, 3))
@@ -203,16 +160,6 @@ if state == 'b' then
 end
 if state == 'w' then return 2 end
 return 0
-"""
-
-WAKE_AGAIN = _KEYS + """
--- ARGV[1] entry id, ARGV[2] a wake-up ("<fence> <token>") read by a delivery it was not made for:
--- put back at the head of the list for the delivery it names, which blocks on the same list, to
--- live as long as the lock it speaks of.
-local wake = LOCK .. ':wake:' .. ARGV[1]
-redis.call('LPUSH', wake, ARGV[2])
-redis.call('PEXPIRE', wake, math.max(redis.call('PTTL', LOCK), 1))
-return 1
 """
 
 CONFIRM = """
@@ -287,7 +234,7 @@ return 1
 
 # Every call of these is safe to send twice (engine/kept.py). These keep their reply under the call's
 # request id: a second send returns the first one's.
-PARK, SWEEP, UNBLOCK, WAKE_AGAIN, LEAVE = map(kept, (PARK, SWEEP, UNBLOCK, WAKE_AGAIN, LEAVE))
+PARK, SWEEP, UNBLOCK, LEAVE = map(kept, (PARK, SWEEP, UNBLOCK, LEAVE))
 # These are safe as they are, and keep nothing: TOUCH sets a deadline from now; CONFIRM finds its
 # mark made; INDEX_ADD and INDEX_DONE set scores; INDEX_DUE sent twice finds the keys its first send
 # leased (their score moved), so they are looked at when that lease ends, SWEEP_LEASE later.

@@ -28,14 +28,12 @@ local function fence_of(t)
 end
 -- A waiter leaves for good (it ran, timed out, gave up, was dropped): its record
 -- goes, and a tombstone in LOCK:g says so for ten minutes, so a process that
--- remembers the entry tells "it left" from "it was lost with the data". A slot
--- waiter made the key's owner (direct) gets a score of now + 0.5 ms: UNBLOCK tells
--- "it was handed the key" from "it was timed out or revoked" by that half.
-local function gone(e, direct)
+-- remembers the entry tells "it left" from "it was lost with the data".
+local function gone(e)
   redis.call('HDEL', WAITERS, e)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('ZADD', LOCK .. ':g', direct and now + 0.5 or now, e)
+  redis.call('ZADD', LOCK .. ':g', now, e)
   redis.call('ZREMRANGEBYSCORE', LOCK .. ':g', '-inf', now - 600000)
   redis.call('PEXPIRE', LOCK .. ':g', 600000)
 end
@@ -81,46 +79,32 @@ local function hand_off(now, drop_owner, out)
       gone(e)
       if kind == 't' then out[#out + 1] = {'expired', e, rec} end
     else
-      local mark = state == 'b' and redis.call('GET', LOCK .. ':b:' .. e)
-      if mark and mark ~= '1' then
-        -- a task waiting in its worker slot that left its token and metadata in its mark
-        -- ("<token> <meta>"): the key is its own from here, as its claim would make it
-        -- (out of the line, a tombstone flagged direct), and it is woken with "<fence> <token>"
-        -- (another delivery of the same call may block on the same list: the token says whose)
-        local token, meta = string.match(mark, '^(%S+) (.*)$')
-        if handed_by ~= '' then meta = string.sub(meta, 1, -2) .. ',"by":"' .. handed_by .. '"}' end
-        redis.call('LPOP', LINE)
-        gone(e, true)
-        redis.call('DEL', LOCK .. ':b:' .. e)
-        local fence = fence_of(redis.call('TIME'))
-        redis.call('SET', LOCK, holding(token, fence, meta), 'PX', ttl)
-        redis.call('RPUSH', LOCK .. ':wake:' .. e, fence .. ' ' .. token)
+      local reserved = cjson.encode({owner = owner, reserved = true, by = handed_by})
+      redis.call('SET', LOCK, '~' .. e .. ' 0 ' .. reserved, 'PX', ttl)
+      if state == 'b' and redis.call('EXISTS', LOCK .. ':b:' .. e) == 1 then
+        -- a task still waiting in its worker slot: woken there to claim the key reserved for it
+        -- (nothing to send; if it never claims, the reservation runs out and SWEEP sends it)
+        redis.call('HSET', WAITERS, e, kind .. 'w' .. string.sub(rec, 3))
+        redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
         redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
+      elseif state == 'n' then
+        -- its message went ahead of its turn (see presend): the key waits for that copy
+        redis.call('HSET', WAITERS, e, kind .. 'c' .. string.sub(rec, 3))
       else
-        local reserved = cjson.encode({owner = owner, reserved = true, by = handed_by})
-        redis.call('SET', LOCK, '~' .. e .. ' 0 ' .. reserved, 'PX', ttl)
-        if mark then
-          -- a task still waiting in its worker slot (an older worker's mark, '1'): woken there to
-          -- claim the key reserved for it; nothing to send
-          redis.call('HSET', WAITERS, e, kind .. 'w' .. string.sub(rec, 3))
+        redis.call('HSET', WAITERS, e, kind .. 'h' .. string.sub(rec, 3))
+        -- (woken before and never claimed: it is no longer taken to wait in its slot, so the claim of
+        -- the message sent now leaves a tombstone, and a late claim from the slot finds the entry gone)
+        if state == 'w' then redis.call('DEL', LOCK .. ':b:' .. e) end
+        if kind == 'p' then                                     -- plain code, blocked on its wake-up list
           redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
           redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
-        elseif state == 'n' then
-          -- its message went ahead of its turn (see presend): the key waits for that copy
-          redis.call('HSET', WAITERS, e, kind .. 'c' .. string.sub(rec, 3))
-        else
-          redis.call('HSET', WAITERS, e, kind .. 'h' .. string.sub(rec, 3))
-          if kind == 'p' then
-            redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
-            redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
-          end
-          out[#out + 1] = {'run', e, rec}
         end
+        out[#out + 1] = {'run', e, rec}
       end
       if presend then
         -- a short hold (RELEASE sets presend): the next task in line is sent now, to wait for its
         -- turn in a worker slot, woken there by the next release rather than sent by it
-        local n = redis.call('LINDEX', LINE, (mark and mark ~= '1') and 0 or 1)  -- (a direct hand-over left)
+        local n = redis.call('LINDEX', LINE, 1)
         local nrec = n and redis.call('HGET', WAITERS, n)
         if nrec and string.sub(nrec, 1, 2) == 'tp' then
           redis.call('HSET', WAITERS, n, 'tn' .. string.sub(nrec, 3))
@@ -190,8 +174,14 @@ elseif redis.call('EXISTS', LINE) == 1 then
   return {0, '', -2}                                            -- nobody jumps the line
 end
 if entry ~= '' then
-  gone(entry)
   redis.call('LREM', LINE, 1, entry)
+  if redis.call('DEL', LOCK .. ':b:' .. entry) == 1 then
+    -- claimed in its worker slot: it runs in its first delivery, so it leaves no tombstone (a broker
+    -- redelivery of that delivery is then met as a fresh task's is: held by its own task, or free)
+    redis.call('HDEL', WAITERS, entry)
+  else
+    gone(entry)
+  end
 end
 local fence = fence_of(t)
 redis.call('SET', LOCK, holding(ARGV[1], fence, ARGV[2]), 'PX', ARGV[3])
@@ -220,11 +210,8 @@ if held then
       -- our first try ran and handed the key on, its reply lost: it was ours, and
       -- the waiter it was handed to is sent now rather than after the reservation
       local rec = redis.call('HGET', WAITERS, e)
-      if rec and string.sub(rec, 2, 2) == 'h' then return {1, {'run', e, rec}} end
+      if rec and string.sub(rec, 2, 2) == 'h' then return {1, {'run', e, rec}} end  -- ('w': woken, not sent)
       return {1}
-    end
-    if ARGV[6] == '1' and string.find(held, ',"by":"' .. handed_by .. '"', 1, true) then
-      return {1}  -- our first try ran and made the key a slot waiter's own (nothing to send)
     end
     local cool = string.match(held, '^= %d+ (.*)$')
     if ARGV[6] == '1' and cool and cjson.decode(cool).owner == ARGV[2] then return {1} end  -- our first try's cooldown

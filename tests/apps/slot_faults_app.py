@@ -8,7 +8,8 @@ no two bodies of one key overlapped.
 
 Fault hook (from outside the package, as tests/apps/kill_points.py): a slot waiter whose key is
 named by the journal's ``kill-handed`` set SIGKILLs its own process right after it was handed the key
-in its worker slot (``policies._handed`` returned its Lock) and before its body starts; once per key.
+in its worker slot (``policies._in_slot`` returned its Lock: it claimed the key) and before its body
+starts; once per key.
 """
 
 from __future__ import annotations
@@ -85,12 +86,12 @@ def filler(self, seconds: float = 0.05) -> None:
     journal.incr("fillers")
 
 
-_handed = policies._handed
+_in_slot = policies._in_slot
 
 
-@functools.wraps(_handed)
+@functools.wraps(_in_slot)
 def _handed_then_maybe_die(task: Any, request: Any, args: Any, kwargs: Any, *rest: Any) -> Any:
-    lock = _handed(task, request, args, kwargs, *rest)
+    lock = _in_slot(task, request, args, kwargs, *rest)
     key = (kwargs or {}).get("key") or (args[0] if args else None)
     if lock is not None and key and journal.srem("kill-handed", key):
         journal.rpush(f"killed:{key}", json.dumps({"id": request.id, "pid": os.getpid(), "at": time.time(),
@@ -99,7 +100,7 @@ def _handed_then_maybe_die(task: Any, request: Any, args: Any, kwargs: Any, *res
     return lock
 
 
-policies._handed = _handed_then_maybe_die  # type: ignore[assignment]
+policies._in_slot = _handed_then_maybe_die  # type: ignore[assignment]
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_max_wait=20.0)
