@@ -8,6 +8,7 @@ or importing this module on the client side):
 ``BENCH_RECORD_DIR``   where each worker process appends one line per finished task
 ``BENCH_OURS_LOCK_URL``  ours only, if set (the footprint run: another server than a peer's)
 ``BENCH_REDELIVERY_WINDOW``  singleton_lock_redelivery_window, if set (the footprint run)
+``BENCH_SPIN``         singleton_lock_spin: "0" off (spin.py's A/B), else on
 
 Every variant's task has the same trivial body and takes one distinct integer,
 so nothing is ever deduplicated and the only difference between variants is
@@ -52,6 +53,8 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
     worker_send_task_events=False,
+    # spin.py's A/B: each worker process's reads spin first ("1", the default) or sleep at once ("0")
+    singleton_lock_spin=os.environ.get("BENCH_SPIN", "1") != "0",
 )
 
 VARIANTS: dict[str, object] = {}

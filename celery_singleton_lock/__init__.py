@@ -11,7 +11,7 @@ work without Celery too; see :func:`held`.
 
 from . import revoke as _revoke  # noqa: F401 - takes revoked tasks out of the lines (a worker bootstep)
 from . import workers as _workers  # noqa: F401 - starts and stops this process's threads with the worker
-from .engine.lock import Holder, Lock, Released
+from .engine.lock import Holder, Lock, Release, Released
 from .engine.server import LockServer
 from .exceptions import (
     AlreadyQueued,
@@ -46,6 +46,7 @@ __all__ = [
     "LockWaitTimeout",
     "SelfDeadlock",
     "WAITING",
+    "Release",
     "Released",
     "Lock",
     "LockServer",

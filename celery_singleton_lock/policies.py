@@ -21,6 +21,7 @@ from .compat import eager_result, get_actual_ignore_result
 from .decide import Action
 from .engine import line as queue
 from .engine import sweeper as sweeping
+from .engine.line import Park, Slot
 from .engine.lock import Done, Holder, Lock, Verdict
 from .engine.server import LockBackend, LockServer
 from .exceptions import (
@@ -62,7 +63,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     block = settings.wait_in_slot if (action is Action.PARK or ahead) and settings.on_duplicate == "retry" else 0.0
     if not isinstance(server, LockServer):  # waiting in a worker slot is one Redis's (BLPOP): etcd parks at once
         block = 0.0
-    place = queue.park(
+    parked_as = queue.park(
         server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
         owner_id=request.id, message=message, first=first,
         again=(request.headers or {}).get(ENTRY) == entry,
@@ -71,15 +72,15 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         merge=action is Action.COALESCE or (action is Action.PARK and settings.on_duplicate == "coalesce"),
         block=block,
     )
-    if not place:
+    if parked_as.found is Park.FREE:
         return None
-    if place == queue.CLAIM:  # its turn came while it looked: the key is reserved for this copy
+    if parked_as.found is Park.CLAIM:  # its turn came while it looked: the key is reserved for this copy
         return _claim(task, request, args, kwargs, settings, server, key, entry)
-    if isinstance(place, queue.Merged):
-        merged(task, request, key, place)
-    if place == queue.TOOK_ITS_TURN:  # a redelivery of a parked message whose turn already came
+    if parked_as.found is Park.MERGED:
+        merged(task, request, key, parked_as.into_owner)
+    if parked_as.found is Park.TOOK_ITS_TURN:  # a redelivery of a parked message whose turn already came
         refuse(task, Action.DROP, request, settings, key, Verdict.ENTRY_GONE)
-    already = isinstance(place, queue.AlreadyParked)  # a redelivery of a parked message whose ack was lost
+    already = parked_as.found is Park.ALREADY  # a redelivery of a parked message whose ack was lost
     if not already:
         try:
             queue.announce(server, settings.index, key)
@@ -91,7 +92,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         lock = _in_slot(task, request, args, kwargs, settings, server, key, entry)
         if lock is not None:
             return lock
-    parked.ends_waiting(task, request, key, place, holder_id, entry, same, already)
+    parked.ends_waiting(task, request, key, parked_as.place, holder_id, entry, same, already)
 
 
 def _in_slot(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockServer,
@@ -107,14 +108,14 @@ def _in_slot(task: Any, request: Any, args: Any, kwargs: Any, settings: config.L
         # it meanwhile is sent to it as a message once that reservation runs out (SWEEP)
         logger.warning("lock %s: task %s stops waiting in its slot (%s); parked", key, request.id, exc)
         return None
-    if got == queue.WOKEN:
+    if got is Slot.WOKEN:
         # forgotten before the claim: a claim in the slot leaves no tombstone, and the sweeper must not
         # take the entry for one lost with the data (if the claim fails, its copy carries the entry)
         sweeping.get_sweeper().forget(server, key, entry)
         return _claim(task, request, args, kwargs, settings, server, key, entry)
-    if got == queue.SENT:
+    if got is Slot.SENT:
         raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot: that copy runs it")
-    if got == queue.UNKNOWN:
+    if got is Slot.UNKNOWN:
         logger.warning("task %s[%s]: its place in the line of lock %s was lost with the lock Redis's data "
                        "while it waited in its slot; sent again by the sweeper", task.name, request.id, key)
         raise Ignore(f"its place in the line of lock {key} was lost: the sweeper sends it again")
@@ -142,15 +143,15 @@ def _claim(task: Any, request: Any, args: Any, kwargs: Any, settings: config.Loc
     raise Ignore(f"its reservation of lock {key} ran out before it claimed it: its copy is sent")
 
 
-def merged(task: Any, request: Any, key: str, into: queue.Merged) -> NoReturn:
-    """End a delivery merged into the waiter last in line (coalesce): that waiter's run covers it."""
+def merged(task: Any, request: Any, key: str, into: str) -> NoReturn:
+    """End a delivery merged into waiting task ``into``, last in line (coalesce): its run covers it."""
     if not get_actual_ignore_result(task, request):
-        task.backend.store_result(request.id, {"key": key, "merged_into": into.owner_id}, WAITING, request=request)
+        task.backend.store_result(request.id, {"key": key, "merged_into": into}, WAITING, request=request)
     logger.info("task %s[%s] merged into waiting task %s (lock %s): its run covers this call",
-                task.name, request.id, into.owner_id, key)
-    duplicate_skipped.send(sender=task, key=key, task_id=request.id, holder_task_id=into.owner_id, policy="coalesce")
-    duplicate_coalesced.send(sender=task, key=key, task_id=request.id, into_task_id=into.owner_id)
-    raise Ignore(f"merged into waiting task {into.owner_id} (lock {key})")
+                task.name, request.id, into, key)
+    duplicate_skipped.send(sender=task, key=key, task_id=request.id, holder_task_id=into, policy="coalesce")
+    duplicate_coalesced.send(sender=task, key=key, task_id=request.id, into_task_id=into)
+    raise Ignore(f"merged into waiting task {into} (lock {key})")
 
 
 def refuse(task: Any, action: Action, request: Any, settings: config.LockSettings, key: str, outcome: Any) -> NoReturn:

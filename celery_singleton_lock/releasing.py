@@ -18,7 +18,7 @@ from . import config
 from .compat import get_actual_ignore_result
 from .engine import layout
 from .engine import line as queue
-from .engine.lock import Lock
+from .engine.lock import Lock, Release
 from .engine.server import LockServer
 from .exceptions import LockBackendRefused, LockBackendUnavailable, LockError
 from .signals import lock_released
@@ -27,8 +27,8 @@ logger = logging.getLogger("celery_singleton_lock")
 
 
 def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remember: float,
-            value: bytes = b"", retries: int = 0, cooldown: float = 0.0, presend: float = 0.0) -> int | None:
-    """Release with a short timeout, twice at most; the status (1 deleted, 0 gone, -1 another's, -3 refused), None if
+            value: bytes = b"", retries: int = 0, cooldown: float = 0.0, presend: float = 0.0) -> Release | None:
+    """Release with a short timeout, twice at most; what it found (REFUSED too), None if
     Redis never answered. A retry after a timed-out try that did execute finds the key gone, or handed by
     that try to the next waiter (RELEASE knows its own hand-off): both count as deleted, and a waiter
     that try handed the key to is sent by the retry, not one reservation later."""
@@ -38,12 +38,12 @@ def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remem
             status = server.release(lock, succeeded=succeeded, remember=remember, value=value,
                                     again=attempt == 2, retries=retries, cooldown=cooldown,
                                     presend=presend).status
-            return 1 if status == 0 and attempt == 2 else status
+            return Release.DELETED if status is Release.GONE and attempt == 2 else status
         except LockBackendUnavailable as exc:
             logger.warning("releasing lock %s failed (try %d of 2): %s", lock.key, attempt, exc)
         except LockError as exc:  # a refusal: the task keeps its outcome
             logger.warning("releasing lock %s was refused: %s; it expires within %gs", lock.key, exc, lock.ttl)
-            return -3 if isinstance(exc, LockBackendRefused) else None
+            return Release.REFUSED if isinstance(exc, LockBackendRefused) else None
         except Exception as exc:  # e.g. a soft time limit landing here: the body has ended, keep its outcome
             logger.warning("releasing lock %s was interrupted (%r); it expires within %gs", lock.key, exc, lock.ttl)
             return None
@@ -62,18 +62,18 @@ def at_end(task: Any, request: Any, lock: Lock, state: str | None, value: Any) -
     cooldown = settings.cooldown if state == SUCCESS or (state == FAILURE and settings.cooldown_on_failure) else 0.0
     status = release(lock, settings, succeeded=state == SUCCESS, remember=remember, value=packed,
                      retries=request.retries or 0, cooldown=cooldown, presend=settings.wait_in_slot)
-    if cooldown and status == 1:
+    if cooldown and status is Release.DELETED:
         after_cooldown(lock, settings)
     ended = f"task {request.id} ended {state}"
-    if status == -1 and not lock.lost:
+    if status is Release.TAKEN and not lock.lost:
         lock.mark_lost(f"found at release: another holder has the key ({ended})")
-    elif status == 0 and not lock.lost:
+    elif status is Release.GONE and not lock.lost:
         lock.mark_lost(f"found at release: the key had expired ({ended})")
-    elif status == -3 and not lock.lost:  # e.g. WRONGTYPE: the key holds something that is not our lock
+    elif status is Release.REFUSED and not lock.lost:  # e.g. WRONGTYPE: the key holds something that is not our lock
         lock.mark_lost(f"found at release: Redis refused the release ({ended})")
-    if status in (0, -1):
+    if status in (Release.GONE, Release.TAKEN):
         logger.warning("lock %s was no longer held by task %s at release", lock.key, request.id)
-    lock_released.send(sender=task, key=lock.key, task_id=request.id, state=state, deleted=status == 1)
+    lock_released.send(sender=task, key=lock.key, task_id=request.id, state=state, deleted=status is Release.DELETED)
 
 
 def after_cooldown(lock: Lock, settings: config.LockSettings) -> None:

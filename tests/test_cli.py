@@ -375,7 +375,7 @@ def test_exit_statuses_on_etcd(worker_app, etcd_server):
         message = b"application/json\nutf-8\n" + json.dumps({"task": "t.waits", "args": [1], "kwargs": {},
                                                                "options": {"headers": {}}}).encode()
         assert lines.park(held.server, missing, "e-waiter", kind="t", wait=60, ttl=30, owner_id="waiter-1",
-                          message=message) == 1
+                          message=message).place == 1
         out = celery_cli("locks", "line", missing, "--json", env=on)
         assert out.returncode == 0 and [r["task_id"] for r in json.loads(out.stdout)] == ["waiter-1"], out.stderr
         out = celery_cli("locks", "show", missing, env=on)

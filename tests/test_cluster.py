@@ -21,7 +21,7 @@ from conftest import make_app
 
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.engine import sweeper as sweeping
-from celery_singleton_lock.engine.lock import Holder, Lock
+from celery_singleton_lock.engine.lock import Holder, Lock, Release
 from celery_singleton_lock.exceptions import LockError
 from celery_singleton_lock.testing.deployments import RedisClusterDeployment
 from celery_singleton_lock.testing.servers import wait_until
@@ -69,7 +69,7 @@ def test_the_url_picks_the_cluster_client_and_one_round_trip_per_operation(clust
     assert locks[1].fencing_token > locks[0].fencing_token > 0
     for lock in locks:
         assert server.renew(lock)
-        assert server.release(lock).status == 1
+        assert server.release(lock).status is Release.DELETED
     assert all(server.holder(n) is None for n in names)
     other.close()
 
@@ -102,7 +102,7 @@ def test_the_waiting_line_and_the_sweeper_work_across_nodes(cluster, server):
     holder = server.acquire(name, 1.0, owner_id="holder")
     assert isinstance(holder, Lock)
     entry = queue.new_entry()
-    assert queue.park(server, name, entry, kind="t", wait=30, ttl=5, owner_id="waiter", message=b"msg") == 1
+    assert queue.park(server, name, entry, kind="t", wait=30, ttl=5, owner_id="waiter", message=b"msg").place == 1
     queue.announce(server, index, name)
     assert queue.line(server, name) == ["waiter"]
     # the holder dies (its lock expires): the sweeper passes the key on
@@ -152,7 +152,7 @@ def test_a_slot_migration_with_locks_held_loses_nothing(cluster, server):
                 # TRYAGAIN until the slot has moved, so it waits out the migration (its TTL allows for it)
                 lock = server.acquire(name, 10.0, owner_id=name)
                 assert isinstance(lock, Lock)
-                assert server.release(lock).status == 1
+                assert server.release(lock).status is Release.DELETED
                 done += 1
             except LockError as exc:
                 errors.append(exc)
@@ -172,7 +172,7 @@ def test_a_slot_migration_with_locks_held_loses_nothing(cluster, server):
         for lock in held:
             dog.forget(lock)
         dog.shutdown()
-    assert all(server.release(lock).status == 1 for lock in held), "released on the new node"
+    assert all(server.release(lock).status is Release.DELETED for lock in held), "released on the new node"
 
 
 def test_a_node_failover_with_locks_held_loses_nothing(cluster, server):
@@ -192,12 +192,12 @@ def test_a_node_failover_with_locks_held_loses_nothing(cluster, server):
         assert all(not lock.lost for lock in held), [lock.lost_reason for lock in held]
         fresh = server.acquire(f"{{{tag}}}:fresh", 3.0)
         assert isinstance(fresh, Lock) and fresh.fencing_token > held[-1].fencing_token
-        assert server.release(fresh).status == 1
+        assert server.release(fresh).status is Release.DELETED
     finally:
         for lock in held:
             dog.forget(lock)
         dog.shutdown()
-    assert all(server.release(lock).status == 1 for lock in held)
+    assert all(server.release(lock).status is Release.DELETED for lock in held)
 
 
 def test_the_task_contract_on_a_cluster(cluster, redis_server):
@@ -218,7 +218,7 @@ def test_parks_lost_with_a_shard_are_sent_again_though_the_index_epoch_did_not_c
     holder = server.acquire(name, 30, owner_id="holder")
     assert isinstance(holder, Lock)
     entry = queue.new_entry()
-    assert queue.park(server, name, entry, kind="t", wait=60, ttl=5, owner_id="waiter", message=b"msg") == 1
+    assert queue.park(server, name, entry, kind="t", wait=60, ttl=5, owner_id="waiter", message=b"msg").place == 1
     queue.announce(server, index, name)
     sent: list = []
     before = server.send_handoff

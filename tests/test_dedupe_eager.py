@@ -97,7 +97,8 @@ def test_publish_mark_script_finds_mark_then_line_then_holder(redis_server):
     assert dedupe.unmark(server, key, "b") is False and dedupe.unmark(server, key, "a") is True
     lock = server.acquire(key, 5, owner_id="runner")
     assert dedupe.mark(server, key, "c", 5000) == dedupe.Pending("runner", "running")
-    assert queue.park(server, key, queue.entry_for("w"), kind="t", wait=10, ttl=5, owner_id="w", message=b"m")
+    assert queue.park(server, key, queue.entry_for("w"), kind="t", wait=10, ttl=5, owner_id="w",
+                      message=b"m").place == 1
     assert dedupe.mark(server, key, "d", 5000) == dedupe.Pending("w", "waiting")
     lock.release()  # hands the key to w: reserved for it, still its call
     assert dedupe.mark(server, key, "e", 5000) == dedupe.Pending("w", "waiting")
@@ -113,14 +114,14 @@ def test_merge_goes_into_a_parked_task_only(redis_server):
     server.acquire(key, 5, owner_id="holder")
     first = queue.park(server, key, queue.entry_for("w1"), kind="t", wait=10, ttl=5, owner_id="w1", message=b"1",
                        merge=True)
-    assert first == 1 and not isinstance(first, queue.Merged)  # nobody to merge into: it parks
+    assert first == queue.Parked(queue.Park.PARKED, 1)  # nobody to merge into: it parks
     merged = queue.park(server, key, queue.entry_for("w2"), kind="t", wait=10, ttl=5, owner_id="w2", message=b"2",
                         merge=True)
-    assert isinstance(merged, queue.Merged) and merged.owner_id == "w1" and merged.entry == queue.entry_for("w1")
-    assert dedupe.merged_calls(server, key, merged.owner_id) == [b"2"]
+    assert merged == queue.Parked(queue.Park.MERGED, 0, queue.entry_for("w1"), "w1")
+    assert dedupe.merged_calls(server, key, merged.into_owner) == [b"2"]
     assert queue.line(server, key) == ["w1"]
-    dedupe.drop_merged(server, key, merged.owner_id)
-    assert dedupe.merged_calls(server, key, merged.owner_id) == []
+    dedupe.drop_merged(server, key, merged.into_owner)
+    assert dedupe.merged_calls(server, key, merged.into_owner) == []
 
 
 def test_celery_locks_shows_a_cooldown_with_the_time_left(worker_app):

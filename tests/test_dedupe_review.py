@@ -156,9 +156,9 @@ def test_merged_calls_live_as_long_as_their_waiters_reservation(env):
     key = f"review:{{{uuid.uuid4().hex}}}"
     holder = server.acquire(key, 5, owner_id="holder")
     w1 = queue.entry_for("w1")
-    assert queue.park(server, key, w1, kind="t", wait=2, ttl=5, owner_id="w1", message=b"1", merge=True) == 1
-    assert isinstance(queue.park(server, key, queue.entry_for("w2"), kind="t", wait=2, ttl=5, owner_id="w2",
-                                 message=b"2", merge=True), queue.Merged)
+    assert queue.park(server, key, w1, kind="t", wait=2, ttl=5, owner_id="w1", message=b"1", merge=True).place == 1
+    assert queue.park(server, key, queue.entry_for("w2"), kind="t", wait=2, ttl=5, owner_id="w2",
+                      message=b"2", merge=True).found is queue.Park.MERGED
     server.release(holder, succeeded=True)  # w1's turn (before its deadline)
     assert server.confirm(key, w1)  # its copy was sent: the key stays reserved up to turn_timeout
     client = env.server.client(2)

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from celery_singleton_lock import held
-from celery_singleton_lock.engine.lock import Holder, Lock
+from celery_singleton_lock.engine.lock import Holder, Lock, Release
 from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable, LockLost
 from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 from celery_singleton_lock.testing.servers import wait_until
@@ -261,9 +261,9 @@ def test_an_attempt_whose_reply_was_lost_is_taken_back_never_left_behind(etcd_se
     assert isinstance(again, Lock) and again.fencing_token == lost.fencing_token
     retaken = server.acquire(name, 5, owner_id="t", token="b" * 32, retake="a" * 32)
     assert isinstance(retaken, Lock) and retaken.token == "b" * 32 and retaken.fencing_token == lost.fencing_token
-    assert server.release(lost).status == -1  # the old token no longer holds it
+    assert server.release(lost).status is Release.TAKEN  # the old token no longer holds it
     assert isinstance(server.acquire(name, 5, owner_id="u"), Holder)
-    assert server.release(retaken).status == 1 and server.holder(name) is None
+    assert server.release(retaken).status is Release.DELETED and server.holder(name) is None
 
 
 @pytest.fixture
@@ -307,15 +307,15 @@ def test_a_forked_child_gets_its_own_connections_and_session(etcd_server):
         code = 1
         try:
             mine = server.acquire(new_name(), 5)
-            ok = (isinstance(mine, Lock) and server.release(parent_lock).status == -2
+            ok = (isinstance(mine, Lock) and server.release(parent_lock).status is Release.NOT_HERE
                   and server.renew_many([parent_lock]) == [False] and server.sessions()[0].lease != parent_session.lease
-                  and server.release(mine).status == 1)
+                  and server.release(mine).status is Release.DELETED)
             code = 0 if ok else 2
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert server.renew(parent_lock) and server.release(parent_lock).status == 1
+    assert server.renew(parent_lock) and server.release(parent_lock).status is Release.DELETED
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ def test_waiters_are_handed_the_key_in_the_order_they_parked(server):
     name = new_name()
     holder = server.acquire(name, 30, owner_id="holder")
     assert isinstance(holder, Lock)
-    assert [park(server, name, f"w{i}") for i in range(3)] == [1, 2, 3]
+    assert [park(server, name, f"w{i}").place for i in range(3)] == [1, 2, 3]
     assert lines.line(server, name) == ["w0", "w1", "w2"]
     fresh = server.acquire(name, 30, owner_id="newcomer")
     assert isinstance(fresh, Holder) and fresh.owner_id == "holder"
@@ -97,7 +97,7 @@ def test_a_copy_of_a_claimed_turn_finds_its_entry_gone(server):
     server.release(lock)
     assert server.acquire(name, 30, owner_id="w", entry=turn.entry) is Verdict.ENTRY_GONE
     # and a broker redelivery of its parked message finds the tombstone: its turn was taken
-    assert park(server, name, "w", redelivered=True, entry=turn.entry) == lines.TOOK_ITS_TURN
+    assert park(server, name, "w", redelivered=True, entry=turn.entry) == lines.Parked(lines.Park.TOOK_ITS_TURN)
 
 
 def test_a_release_that_never_handed_on_is_moved_on_by_the_next_acquirer(server):
@@ -109,7 +109,7 @@ def test_a_release_that_never_handed_on_is_moved_on_by_the_next_acquirer(server)
     server.transport.call("/kv/deleterange", {"key": b64(layout.etcd_lock(holder.key))})  # step one only
     late = server.acquire(name, 30, owner_id="late")
     assert isinstance(late, Holder) and late.queued  # nobody jumps the line
-    assert park(server, name, "late") == 2
+    assert park(server, name, "late").place == 2
     assert [(h.what, h.owner_id) for h in server.sent] == [("run", "w0")]
     assert lines.line(server, name) == ["w0", "late"]
 
@@ -172,7 +172,7 @@ def test_a_parked_copy_of_the_holder_is_dropped_when_the_holder_succeeds(server)
     holder = server.acquire(name, 30, owner_id="task-1")
     entry = lines.entry_for("task-1")
     assert lines.park(server, name, entry, kind="s", wait=60, ttl=30, owner_id="task-1", message=MESSAGE,
-                      first=True) == 1
+                      first=True).place == 1
     park(server, name, "other")
     released = server.release(holder, succeeded=True)
     assert [h.owner_id for h in released.handoffs] == ["other"]  # the copy never runs
@@ -182,10 +182,10 @@ def test_a_parked_copy_of_the_holder_is_dropped_when_the_holder_succeeds(server)
 def test_a_parked_entry_parks_once_and_its_copy_claims_its_reservation(server):
     name = new_name()
     holder = server.acquire(name, 30, owner_id="holder")
-    assert park(server, name, "w") == 1
-    assert isinstance(park(server, name, "w"), lines.AlreadyParked)  # a redelivery of the parked message
+    assert park(server, name, "w").place == 1
+    assert park(server, name, "w").found is lines.Park.ALREADY  # a redelivery of the parked message
     server.release(holder)
-    assert park(server, name, "w", again=True, first=True) == lines.CLAIM
+    assert park(server, name, "w", again=True, first=True) == lines.Parked(lines.Park.CLAIM)
 
 
 def test_one_keep_alive_per_period_for_locks_taken_at_different_moments(server):

@@ -12,7 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from celery_singleton_lock.engine import exchange, wire
-from celery_singleton_lock.engine.lock import Holder, Lock
+from celery_singleton_lock.engine.lock import Holder, Lock, Release
 from celery_singleton_lock.engine.server import LockServer
 from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable
 from celery_singleton_lock.testing.servers import RedisServer, wait_until
@@ -69,7 +69,7 @@ def test_the_lock_over_resp2_and_resp3(redis, protocol):
     seen = server.acquire(f"p{protocol}", 5, owner_id="second")
     assert isinstance(seen, Holder) and seen.owner_id == "first"
     assert lock.fencing_token > 0 and server.holder(f"p{protocol}").fencing_token == lock.fencing_token
-    assert server.release(lock).status == 1 and server.holder(f"p{protocol}") is None
+    assert server.release(lock).status is Release.DELETED and server.holder(f"p{protocol}") is None
     server.close()
 
 
@@ -77,7 +77,8 @@ def test_replies_later_than_the_spin_are_read_and_the_connection_stops_spinning(
     """A reply that comes after the spin (here: a script that runs ~20 ms) is read by the blocking
     read; a connection whose replies keep coming late stops spinning for a while (a remote Redis)."""
     server = LockServer.from_url(redis.url(2))
-    assert server.release(server.acquire("warm", 5)).status == 1  # (on Redis 6.2: learns its SET takes no NX GET)
+    # (on Redis 6.2 the first release also learns that its SET takes no NX GET)
+    assert server.release(server.acquire("warm", 5)).status is Release.DELETED
     slow = "local n = 0 for i = 1, 3000000 do n = n + i end return n"
     for _ in range(exchange.REST_AFTER):
         assert server.run(slow, ("x",), ()) == sum(range(1, 3_000_001))
@@ -85,7 +86,7 @@ def test_replies_later_than_the_spin_are_read_and_the_connection_stops_spinning(
     assert conn._csl_rest == exchange.REST_FOR
     lock = server.acquire("late", 5)
     assert isinstance(lock, Lock) and conn._csl_rest == exchange.REST_FOR - 1  # read without a spin
-    assert server.release(lock).status == 1
+    assert server.release(lock).status is Release.DELETED
     server.close()
 
 
@@ -101,7 +102,7 @@ def test_an_error_reply_is_raised_and_the_next_call_works(redis, reply, raised):
     with pytest.raises(raised, match=reply.split()[-1]):
         server.run(f"return redis.error_reply('{reply}')", ("x",), ())
     lock = server.acquire("after-error", 5)
-    assert isinstance(lock, Lock) and server.release(lock).status == 1
+    assert isinstance(lock, Lock) and server.release(lock).status is Release.DELETED
     server.close()
 
 
@@ -153,7 +154,7 @@ def test_a_closed_connection_is_a_connection_error_and_the_next_call_reconnects(
         exchange.read(conn, 1)  # a closed socket says so, and is dropped
     assert conn._sock is None
     lock = server.acquire("c2", 5)  # the next call connects again
-    assert isinstance(lock, Lock) and server.release(lock).status == 1
+    assert isinstance(lock, Lock) and server.release(lock).status is Release.DELETED
     server.close()
 
 
@@ -212,7 +213,7 @@ def test_spin_off_reads_by_sleeping_at_once_and_the_setting_turns_it_off(redis):
         assert exchange.SPIN_NS == 0
         server = LockServer.from_url(redis.url(2))
         lock = server.acquire("no-spin", 5)
-        assert isinstance(lock, Lock) and server.release(lock).status == 1
+        assert isinstance(lock, Lock) and server.release(lock).status is Release.DELETED
         conn = server._held_conn()
         assert getattr(conn, "_csl_misses", 0) == 0 and getattr(conn, "_csl_rest", 0) == 0  # never spun
         server.close()

@@ -42,6 +42,7 @@ from conftest import make_app
 from test_handoff import Nodes, events, open_gate, parks, starts, wait_starts
 
 from celery_singleton_lock import LockServer
+from celery_singleton_lock.engine.lock import Release
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies.etcd import EtcdLockServer
 
@@ -389,8 +390,10 @@ def test_a_redelivered_copy_of_the_holder_is_dropped_wherever_it_stands(redis_se
         key = slot_safe(name)
         holder = server.acquire(name, 5, owner_id="H")
         copy = queue.entry_for("H", 2)  # the holder's request had been retried twice
-        assert queue.park(server, name, copy, kind="s", wait=60, ttl=5, owner_id="H", message=b"m", first=True)
-        assert queue.park(server, name, "ex", kind="t", wait=60, ttl=5, owner_id="X", message=b"m", first=True)
+        assert queue.park(server, name, copy, kind="s", wait=60, ttl=5, owner_id="H",
+                          message=b"m", first=True).place == 1
+        assert queue.park(server, name, "ex", kind="t", wait=60, ttl=5, owner_id="X",
+                          message=b"m", first=True).place == 1
         assert server.client.lrange(key + ":q", 0, -1) == [b"ex", copy.encode()]
         [turn] = server.release(holder, succeeded=True, retries=2).handoffs
         assert turn.owner_id == "X"
@@ -415,18 +418,18 @@ def test_release_retried_after_its_first_try_ran_says_deleted_and_returns_the_ha
     try:
         name = f"release-again-{uuid.uuid4().hex[:8]}"
         holder = server.acquire(name, 30, owner_id="H")
-        assert queue.park(server, name, "ew", kind="t", wait=60, ttl=30, owner_id="W", message=b"m")
+        assert queue.park(server, name, "ew", kind="t", wait=60, ttl=30, owner_id="W", message=b"m").place == 1
         server.send_handoff = None  # the first try's reply is lost: nobody sends its hand-off
         first = server.release(holder)
-        assert first.status == 1 and [h.owner_id for h in first.handoffs] == ["W"]
+        assert first.status is Release.DELETED and [h.owner_id for h in first.handoffs] == ["W"]
         server.send_handoff = lambda srv, handoff: sent.append(handoff) or True
         again = server.release(holder, again=True)
-        assert again.status == 1, "the retry took its own hand-off for another holder's lock"
+        assert again.status is Release.DELETED, "the retry took its own hand-off for another holder's lock"
         assert [h.owner_id for h in again.handoffs] == ["W"] and [h.owner_id for h in sent] == ["W"]
         # a retry by a token that handed nothing on still finds the key another's
         other = server.acquire(f"{name}-2", 30, owner_id="O")
         stranger = type(other)(server, other.key, "not-the-token", 0, 30.0)
-        assert server.release(stranger, again=True).status == -1
+        assert server.release(stranger, again=True).status is Release.TAKEN
     finally:
         server.close()
 

@@ -530,7 +530,7 @@ def test_a_sent_turn_keeps_its_record_and_reservation_then_ends_at_its_deadline(
         key = slot_safe(name)
         client = server.client
         holder = server.acquire(name, 5, owner_id="holder")
-        assert queue.park(server, name, "e1", kind="t", wait=60, ttl=5, owner_id="w1", message=b"m") == 1
+        assert queue.park(server, name, "e1", kind="t", wait=60, ttl=5, owner_id="w1", message=b"m").place == 1
         [turn] = server.release(holder).handoffs  # no sender here: reserved, not yet sent
         assert turn.entry == "e1"
         server.turn_timeout = 120.0
@@ -598,7 +598,7 @@ def test_a_late_copy_never_takes_a_free_key_ahead_of_live_waiters(redis_server):
         assert not isinstance(late, Lock), "A's late copy took the key ahead of B"
         assert late.queued  # free, but waiters are in line
         assert queue.park(server, name, "ea", kind="t", wait=50, ttl=0.2, owner_id="a", message=b"m", first=True,
-                          again=True)  # its own copy (it carries the entry) may park it anew
+                          again=True).found is queue.Park.PARKED  # its own copy (it carries the entry) parks anew
         _, handed = queue.sweep(server, name)
         assert [h.owner_id for h in handed] == ["a"], "the oldest waiter first"
     finally:
@@ -668,7 +668,7 @@ def test_a_park_lost_with_the_data_whose_send_fails_is_sent_again_at_the_next_lo
     name = f"lost-{uuid.uuid4().hex[:8]}"
     assert isinstance(server.acquire(name, 30, owner_id="holder"), Lock)
     entry = queue.new_entry()
-    assert queue.park(server, name, entry, kind="t", wait=60, ttl=5, owner_id="waiter", message=b"msg") == 1
+    assert queue.park(server, name, entry, kind="t", wait=60, ttl=5, owner_id="waiter", message=b"msg").place == 1
     sent: list[Handoff] = []
 
     def send(srv, handoff):

@@ -28,7 +28,7 @@ from redis.retry import Retry
 
 from celery_singleton_lock.engine import exchange, kept
 from celery_singleton_lock.engine.addresses import redact_url
-from celery_singleton_lock.engine.lock import Holder, Lock, check_ttl, slot_safe
+from celery_singleton_lock.engine.lock import Holder, Lock, Release, check_ttl, slot_safe
 from celery_singleton_lock.engine.server import LockServer
 from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable, LockError, LockLost
 from celery_singleton_lock.testing.servers import Monitor, RedisServer, free_port, wait_until
@@ -289,24 +289,24 @@ def test_release_by_non_owner_is_refused(any_redis):
     lock = server.acquire(new_name(), 10)
     value = any_redis.client(DB).get(lock.key)
     intruder = other_token(lock)
-    assert server.release(intruder).status == -1
-    assert server.release(intruder, succeeded=True, remember=60).status == -1
+    assert server.release(intruder).status is Release.TAKEN
+    assert server.release(intruder, succeeded=True, remember=60).status is Release.TAKEN
     assert any_redis.client(DB).get(lock.key) == value  # untouched
     assert 0 < any_redis.client(DB).pttl(lock.key) <= 10_000
     assert not any_redis.client(DB).exists(lock.key + ":d")  # and nothing remembered
-    assert server.release(lock).status == 1
+    assert server.release(lock).status is Release.DELETED
 
 
 def test_release_is_idempotent_and_never_frees_a_later_holder(backend):
     server = from_settings(backend.url)
     name = new_name()
     first = server.acquire(name, 10)
-    assert server.release(first).status == 1
-    assert server.release(first).status == 0  # gone already
-    assert server.release(first).status == 0
+    assert server.release(first).status is Release.DELETED
+    assert server.release(first).status is Release.GONE  # gone already
+    assert server.release(first).status is Release.GONE
     second = server.acquire(name, 10)
     assert isinstance(second, Lock)
-    assert server.release(first).status == -1  # the old handle cannot free the new holder
+    assert server.release(first).status is Release.TAKEN  # the old handle cannot free the new holder
     assert server.renew(first) is False
     assert server.holder(name).raw.startswith(second.token + " ")
     assert server.release(second)
@@ -552,7 +552,7 @@ def test_every_operation_survives_a_restart(fresh_redis):
     fresh_redis.restart()  # no persistence: the lock and the scripts are gone
     assert server.renew(lock) is False
     assert server.renew_many([lock]) == [False]
-    assert server.release(lock).status == 0
+    assert server.release(lock).status is Release.GONE
     fresh_redis.restart()
     again = server.acquire(name, 30)
     assert isinstance(again, Lock)
@@ -775,7 +775,7 @@ def test_release_that_timed_out_in_flight_can_be_retried(fresh_redis):
     assert lock.token == token
     # the first attempt may or may not have run once the server woke up; either way the
     # retry does not raise, and once it returns the lock is gone
-    assert server.release(lock).status in (1, 0)
+    assert server.release(lock).status in (Release.DELETED, Release.GONE)
     assert fresh_redis.client(DB).exists(lock.key) == 0
 
 
@@ -881,7 +881,7 @@ def test_a_fresh_acquire_never_jumps_a_line_whose_holder_died(any_redis, plain_s
     name = new_name()
     holder = server.acquire(name, 0.3, owner_id="holder")
     assert isinstance(holder, Lock)
-    assert queue.park(server, name, "e-waiter", kind="t", wait=30, ttl=5, owner_id="waiter", message=b"m") == 1
+    assert queue.park(server, name, "e-waiter", kind="t", wait=30, ttl=5, owner_id="waiter", message=b"m").place == 1
     wait_until(lambda: server.holder(name) is None, 10, 0.02, "the holder's key to expire")
     newcomer = server.acquire(name, 5, owner_id="newcomer")
     assert isinstance(newcomer, Holder) and newcomer.owner_id != "newcomer", newcomer
@@ -904,16 +904,16 @@ def test_release_of_a_fresh_holder_hands_the_key_to_a_waiter_that_parked_behind_
     holder = server.acquire(name, 5, owner_id="holder")
     assert isinstance(holder, Lock) and holder.fencing_token  # (drawn now, on first read)
     assert server.holder(name).raw.endswith("}")  # its value as taken: no line flag
-    assert queue.park(server, name, "p-waiter", kind="p", wait=30, ttl=5, owner_id="waiter") == 1
+    assert queue.park(server, name, "p-waiter", kind="p", wait=30, ttl=5, owner_id="waiter").place == 1
     found = server.holder(name)
     assert found.owner_id == "holder" and found.raw.endswith(',"line":1}')  # flagged, still parses
     assert found.fencing_token == holder.fencing_token
     released = server.release(holder)
-    assert released.status == 1 and [h.entry for h in released.handoffs] == ["p-waiter"]
+    assert released.status is Release.DELETED and [h.entry for h in released.handoffs] == ["p-waiter"]
     reserved = server.holder(name)
     assert reserved.reserved and reserved.owner_id == "waiter"
     taken = server.acquire(name, 5, owner_id="waiter", entry="p-waiter")
     assert isinstance(taken, Lock) and taken.fencing_token > holder.fencing_token
     assert not server.holder(name).raw.endswith(',"line":1}')  # nobody waits behind it any more
-    assert server.release(taken).status == 1
+    assert server.release(taken).status is Release.DELETED
     assert server.holder(name) is None

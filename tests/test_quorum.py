@@ -29,7 +29,7 @@ from _task_support import (
 from celery import Celery
 
 from celery_singleton_lock import LockBackendUnavailable, LockedTask, LockLost, held
-from celery_singleton_lock.engine.lock import Holder, Lock
+from celery_singleton_lock.engine.lock import Holder, Lock, Release
 from celery_singleton_lock.testing.servers import RedisServer, wait_until
 from celery_singleton_lock.topologies.quorum import QuorumLockServer
 from celery_singleton_lock.topologies.servers import from_settings
@@ -186,7 +186,7 @@ def test_a_released_lock_never_lingers_after_a_paused_minority_and_an_empty_rest
         got = wait_until(attempt, 15.0, 0.05, f"call {len(tokens)} to take the key")
         tokens.append(got.fencing_token)
         time.sleep(0.2)  # the body
-        assert quorum.release(got).status == 1
+        assert quorum.release(got).status is Release.DELETED
 
     masters[0].pause()
     masters[1].pause()
@@ -355,7 +355,7 @@ def test_two_messages_with_one_lost_attempts_token_never_both_hold_the_lock(quor
     assert isinstance(first, Lock) and first.token == "a" * 32
     second = quorum.acquire(name, 30, owner_id="job", token="b" * 32, retake="t" * 32)
     assert not isinstance(second, Lock), "two messages carrying one token both hold the lock"
-    assert quorum.release(first).status == 1
+    assert quorum.release(first).status is Release.DELETED
 
 
 # -- Jepsen-style, through real workers -------------------------------------------------------------
@@ -583,7 +583,7 @@ def test_no_thread_per_member_and_a_stopped_member_gets_its_commands_in_order(qu
         assert isinstance(lock, Lock), lock
         assert time.monotonic() - started < 1.0  # decided by the majority, not held up by the stopped one
         released = quorum.release(lock)
-        assert released.status == 1
+        assert released.status is Release.DELETED
         third = quorum.acquire(key, 5.0, owner_id="third")  # member 0 now skipped (stuck)
         assert isinstance(third, Lock)
         quorum.release(third)
@@ -725,7 +725,7 @@ def test_finished_locks_leave_nothing_that_outlives_two_minutes_on_any_member(qu
     for i in range(200):
         lock = quorum.acquire(f"fp-{i}-{uuid.uuid4().hex[:6]}", 5.0, owner_id=f"task-{i}")
         assert isinstance(lock, Lock)
-        assert quorum.release(lock).status == 1
+        assert quorum.release(lock).status is Release.DELETED
     for m in masters:
         client = m.client(2)
         left = [k for k in client.scan_iter(count=1000) if k != SINCE.encode()]
@@ -793,7 +793,7 @@ def test_a_cooldown_keeps_the_key_on_a_majority_then_frees_it(quorum, masters):
     """lock_cooldown on a quorum: the release keeps the key, by nobody, on every member it was on."""
     key = name()
     lock = take(quorum, key)
-    assert quorum.release(lock, succeeded=True, cooldown=1.0).status == 1
+    assert quorum.release(lock, succeeded=True, cooldown=1.0).status is Release.DELETED
     found = quorum.acquire(key, 5.0)
     assert isinstance(found, Holder) and found.cooldown and 0 < found.ttl_ms <= 1000
     assert sum(1 for s in masters if (s.client(2).get(found.key) or b"").startswith(b"= ")) >= quorum.majority

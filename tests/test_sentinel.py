@@ -31,7 +31,7 @@ from celery import Celery
 from conftest import make_app
 
 from celery_singleton_lock import LockedTask, config
-from celery_singleton_lock.engine.lock import Lock, slot_safe
+from celery_singleton_lock.engine.lock import Lock, Release, slot_safe
 from celery_singleton_lock.engine.scripts import ACQUIRE_FRESH
 from celery_singleton_lock.exceptions import LockBackendUnavailable, LockError
 from celery_singleton_lock.testing.deployments import SentinelDeployment, _role
@@ -84,7 +84,7 @@ def test_celery_sentinel_urls_and_transport_options_build_a_sentinel_server(sent
         assert isinstance(lock, Lock)
         with sentinel.master.client(LOCK_DB) as c:
             assert c.exists(lock.key)
-        assert srv.release(lock).status == 1
+        assert srv.release(lock).status is Release.DELETED
     with pytest.raises(ValueError, match="master_name"):
         servers.from_settings(sentinel.url(LOCK_DB))
 
@@ -138,13 +138,13 @@ def test_a_failover_is_followed_by_the_hot_path_and_the_watchdog(sentinel):
                        "renewals of every held lock on the new master")
         assert all(not lock.lost for lock in held), [lock.lost_reason for lock in held]
         for lock in (moved, after):
-            assert lock.server.release(lock).status == 1
+            assert lock.server.release(lock).status is Release.DELETED
         stayed.server.release(stayed)  # on the old master it is gone with the demotion
     finally:
         for lock in held:
             dog.forget(lock)
         dog.shutdown()
-    assert all(lock.server.release(lock).status == 1 for lock in held), "released on the new master"
+    assert all(lock.server.release(lock).status is Release.DELETED for lock in held), "released on the new master"
     listening.close()
     plain.close()
 
@@ -175,7 +175,7 @@ def test_a_read_cut_short_leaves_no_reply_behind_for_the_next_acquire(sentinel):
     with master.client(LOCK_DB) as c:
         c.delete(slot_safe(f"cut-{tag}"))
     for lock in (theirs, warm):
-        assert lock.server.release(lock).status == 1
+        assert lock.server.release(lock).status is Release.DELETED
     other.close()
     mine.close()
 
@@ -391,7 +391,8 @@ def test_parks_lost_in_a_failover_to_a_lagging_replica_are_sent_again():
             replica.pause()  # it lags: frozen, and its link dropped, so nothing more reaches it
             old.client().client_kill_filter(_type="replica")
             entry = queue.new_entry()
-            assert queue.park(server, name, entry, kind="t", wait=120, ttl=5, owner_id="waiter", message=b"msg") == 1
+            assert queue.park(server, name, entry, kind="t", wait=120, ttl=5, owner_id="waiter",
+                              message=b"msg").place == 1
             sweeper.remember(server, name, entry, "waiter", 5, b"msg")
             os.kill(old.pid, signal.SIGKILL)  # our own redis-server, by PID
             replica.resume()

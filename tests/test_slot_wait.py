@@ -11,7 +11,7 @@ import pytest
 
 from celery_singleton_lock.engine import layout
 from celery_singleton_lock.engine import line as queue
-from celery_singleton_lock.engine.lock import Lock
+from celery_singleton_lock.engine.lock import Lock, Release
 from celery_singleton_lock.engine.server import LockServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,7 +36,7 @@ def _state(server: LockServer, key: str, entry: str) -> str:
 def _park(server, key, owner, block=0.0, first=False, again=False):
     entry = queue.entry_for(owner)
     assert queue.park(server, key, entry, kind="t", wait=30, ttl=5, owner_id=owner, message=b"m-" + owner.encode(),
-                      block=block, first=first, again=again)
+                      block=block, first=first, again=again).found is queue.Park.PARKED
     return entry
 
 
@@ -46,9 +46,9 @@ def test_a_release_wakes_a_slot_waiter_and_sends_nothing(server):
     entry = _park(server, key, "w1", block=5.0)
     assert _state(server, key, entry) == "b"
     released = server.release(holder)
-    assert released.status == 1 and released.handoffs == ()  # no message to send
+    assert released.status is Release.DELETED and released.handoffs == ()  # no message to send
     assert _state(server, key, entry) == "w"
-    assert queue.wait_in_slot(server, key, entry, 1.0) == queue.WOKEN
+    assert queue.wait_in_slot(server, key, entry, 1.0) is queue.Slot.WOKEN
     got = server.acquire(key, 5, owner_id="w1", entry=entry)
     assert isinstance(got, Lock)
     got.release()
@@ -57,7 +57,7 @@ def test_a_slot_waiter_that_stops_waiting_is_parked_and_later_sent(server):
     key = _key()
     holder = server.acquire(key, 5, owner_id="holder")
     entry = _park(server, key, "w1", block=0.05)
-    assert queue.wait_in_slot(server, key, entry, 0.05) == queue.PARKED
+    assert queue.wait_in_slot(server, key, entry, 0.05) is queue.Slot.PARKED
     assert _state(server, key, entry) == "p"
     released = server.release(holder)
     assert [(h.what, h.entry) for h in released.handoffs] == [("run", entry)]
@@ -71,7 +71,7 @@ def test_a_hand_off_after_the_slot_mark_ran_out_sends_the_message(server):
     server.client.delete(layout.blocking(key, entry))  # as if it ran out
     released = server.release(holder)
     assert [(h.what, h.entry) for h in released.handoffs] == [("run", entry)]
-    assert queue.wait_in_slot(server, key, entry, 0.01) == queue.SENT  # a late look ends that delivery
+    assert queue.wait_in_slot(server, key, entry, 0.01) is queue.Slot.SENT  # a late look ends that delivery
 
 def test_a_short_hold_sends_the_second_in_line_ahead_and_the_next_release_wakes_it(server):
     key = _key()
@@ -87,7 +87,7 @@ def test_a_short_hold_sends_the_second_in_line_ahead_and_the_next_release_wakes_
     assert queue.line(server, key)[:2] == ["w2", "w3"]
     released = server.release(running, presend=5.0)
     assert [(h.what, h.entry) for h in released.handoffs] == [("next", third)]  # w2 is woken, not sent
-    assert queue.wait_in_slot(server, key, second, 1.0) == queue.WOKEN
+    assert queue.wait_in_slot(server, key, second, 1.0) is queue.Slot.WOKEN
 
 def test_a_long_hold_sends_nobody_ahead(server):
     key = _key()
@@ -121,7 +121,7 @@ def test_a_copy_whose_turn_came_while_it_looked_claims_instead_of_parking_again(
     assert not isinstance(seen, Lock)
     server.release(holder)  # the key is handed to w1's entry meanwhile
     assert queue.park(server, key, entry, kind="t", wait=30, ttl=5, owner_id="w1", message=b"m", first=True,
-                      again=True) == queue.CLAIM
+                      again=True) == queue.Parked(queue.Park.CLAIM)
     got = server.acquire(key, 5, owner_id="w1", entry=entry)
     assert isinstance(got, Lock)
     got.release()
@@ -134,8 +134,8 @@ def test_a_wake_up_whose_read_was_lost_is_found_when_the_wait_ends(server):
     entry = _park(server, key, "w1", block=5.0)
     server.release(holder)
     assert server.client.delete(layout.wake(key, entry)) == 1  # as if its BLPOP popped it and the reply was lost
-    assert queue.stop_waiting(server, key, entry) == queue.WOKEN
-    assert queue.stop_waiting(server, key, entry) == queue.WOKEN  # looked at again: the same
+    assert queue.stop_waiting(server, key, entry) is queue.Slot.WOKEN
+    assert queue.stop_waiting(server, key, entry) is queue.Slot.WOKEN  # looked at again: the same
     assert isinstance(server.acquire(key, 5, owner_id="w1", entry=entry), Lock)
 
 
@@ -146,7 +146,7 @@ def test_a_wake_up_left_from_an_earlier_hand_off_is_not_taken_by_a_later_wait_of
     server.release(holder)  # the wake-up waits in its list; nobody reads it
     assert isinstance(server.acquire(key, 5, owner_id="w1", entry=entry), Lock)  # claimed all the same
     entry = _park(server, key, "w1", block=5.0, again=True)  # its call, sent again, parks behind itself
-    assert queue.wait_in_slot(server, key, entry, 0.01) == queue.PARKED
+    assert queue.wait_in_slot(server, key, entry, 0.01) is queue.Slot.PARKED
 
 
 def test_a_short_hold_after_a_slot_wake_up_sends_the_next_in_line_ahead(server):
@@ -168,16 +168,16 @@ def test_a_claim_in_the_slot_leaves_no_tombstone_so_a_redelivery_waits_as_a_copy
     holder = server.acquire(key, 5, owner_id="holder")
     entry = _park(server, key, "w1", block=5.0)
     server.release(holder)
-    assert queue.wait_in_slot(server, key, entry, 1.0) == queue.WOKEN
+    assert queue.wait_in_slot(server, key, entry, 1.0) is queue.Slot.WOKEN
     running = server.acquire(key, 5, owner_id="w1", entry=entry)
     assert isinstance(running, Lock)
     assert server.client.zscore(layout.gone(key), entry) is None
     assert not server.client.exists(layout.blocking(key, entry))
     assert queue.park(server, key, entry, kind="s", wait=30, ttl=5, owner_id="w1", message=b"m", first=True,
-                      redelivered=True) == 1
+                      redelivered=True).place == 1
     assert layout.Waiter.parse(server.client.hget(layout.waiters(key), entry)).kind == "s"
     released = server.release(running, succeeded=True, remember=60)
-    assert released.status == 1 and released.handoffs == ()  # the copy was dropped, nothing handed
+    assert released.status is Release.DELETED and released.handoffs == ()  # the copy was dropped, nothing handed
     assert queue.line(server, key) == []
     other = _key()
     holder = server.acquire(other, 5, owner_id="holder")
@@ -186,7 +186,7 @@ def test_a_claim_in_the_slot_leaves_no_tombstone_so_a_redelivery_waits_as_a_copy
     claimed = server.acquire(other, 5, owner_id="w2", entry=entry)  # its turn's message claimed it
     assert isinstance(claimed, Lock)
     assert queue.park(server, other, entry, kind="t", wait=30, ttl=5, owner_id="w2", message=b"m",
-                      redelivered=True) == queue.TOOK_ITS_TURN
+                      redelivered=True) == queue.Parked(queue.Park.TOOK_ITS_TURN)
 
 
 def test_a_woken_waiter_that_never_claims_is_sent_its_turn_when_the_reservation_runs_out(server):
@@ -196,7 +196,7 @@ def test_a_woken_waiter_that_never_claims_is_sent_its_turn_when_the_reservation_
     holder = server.acquire(key, 0.2, owner_id="holder")
     entry = _park(server, key, "w1", block=0.05)
     server.client.set(key, server.client.get(key), px=50)  # the holder's lock runs out soon
-    assert server.release(holder).status in (0, 1)
+    assert server.release(holder).status in (Release.GONE, Release.DELETED)
     server.client.delete(layout.blocking(key, entry))
     if _state(server, key, entry) != "w":  # (the holder's lock ran out first: a sweep hands it on)
         queue.sweep(server, key)
@@ -219,6 +219,6 @@ def test_two_deliveries_waiting_under_one_entry_the_woken_one_claims_and_the_oth
     entry = _park(server, key, "w1", block=5.0)
     _park(server, key, "w1", block=5.0, again=True)  # the same entry, parked anew
     server.release(holder)
-    assert queue.wait_in_slot(server, key, entry, 1.0) == queue.WOKEN
+    assert queue.wait_in_slot(server, key, entry, 1.0) is queue.Slot.WOKEN
     assert isinstance(server.acquire(key, 5, owner_id="w1", entry=entry), Lock)
-    assert queue.wait_in_slot(server, key, entry, 0.01) == queue.UNKNOWN
+    assert queue.wait_in_slot(server, key, entry, 0.01) is queue.Slot.UNKNOWN

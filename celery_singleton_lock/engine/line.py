@@ -44,6 +44,8 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol, cast
 
 from redis.exceptions import RedisError
@@ -68,34 +70,46 @@ PLAIN_LEASE = 2 * LONGEST_BLOCK + 1.0
 a waiter that died stops blocking the key after this, not after its whole ``wait``."""
 
 
-TOOK_ITS_TURN = -1
-"""What :func:`park` returns for a broker redelivery whose entry left the line for good already."""
-CLAIM = -2
-"""What :func:`park` returns to an entry's own copy (``again``) when the key was handed to that entry
-meanwhile: claim it (``acquire(..., entry=entry)``) rather than park again."""
+class Park(Enum):
+    """What a park found: PARK's reply codes, decoded once (:func:`park`)."""
+
+    FREE = 0
+    """The key is free and nobody waits: take it instead."""
+    PARKED = 1
+    """Parked, at ``place``."""
+    ALREADY = 2
+    """Parked already (a redelivery of a parked message, its ack lost): at ``place``, 0 out of line."""
+    TOOK_ITS_TURN = 3
+    """A broker redelivery whose entry left the line for good already: its turn was taken."""
+    MERGED = 4
+    """Merged (``merge``) into the calls of the waiter last in line, named by ``into_entry``/``into_owner``."""
+    CLAIM = 5
+    """The key was reserved for this entry meanwhile (its own copy, ``again``): claim it rather than park."""
 
 
-class Merged(int):
-    """What :func:`park` with ``merge`` returns when the call joined a waiter's merged calls (no place
-    of its own): ``entry`` and ``owner_id`` name the waiter whose run covers it."""
+@dataclass(frozen=True)
+class Parked:
+    """What :func:`park` did (a backend with lines of its own answers the same)."""
 
-    entry: str
-    owner_id: str
-
-    def __new__(cls, entry: str, owner_id: str) -> Merged:
-        merged = super().__new__(cls, 0)
-        merged.entry, merged.owner_id = entry, owner_id
-        return merged
-
-    def __bool__(self) -> bool:
-        return True
+    found: Park
+    place: int = 0
+    """The place in line, 1 = next (PARKED and ALREADY; 0 out of line)."""
+    into_entry: str = ""
+    into_owner: str = ""
 
 
-class AlreadyParked(int):
-    """What :func:`park` returns when the entry is parked already: its place (0 out of line)."""
+class Slot(Enum):
+    """How a wait in the worker slot ended (UNBLOCK's reply codes, decoded once: :func:`wait_in_slot`)."""
 
-    def __bool__(self) -> bool:
-        return True
+    WOKEN = 2
+    """The key is reserved for it: claim it now."""
+    PARKED = 1
+    """Still parked: its message goes when its turn comes."""
+    SENT = 0
+    """Its turn came as a message already (or it left the line): this delivery ends."""
+    UNKNOWN = -1
+    """Neither its record nor its tombstone is there: it never parked, or the lock Redis lost its data (the
+    sweeper of the process that parked it sends it again)."""
 
 
 class Waiting(Protocol):
@@ -105,7 +119,7 @@ class Waiting(Protocol):
 
     def park(self, name: str, entry: str, *, kind: str, wait: float, ttl: float, owner_id: str,
              message: bytes = b"", first: bool = False, again: bool = False, redelivered: bool = False,
-             **redis_only: Any) -> int: ...
+             **redis_only: Any) -> Parked: ...
 
     def leave(self, name: str, entry: str) -> bool: ...
 
@@ -147,19 +161,17 @@ def park(
     redelivered: bool = False,
     merge: bool = False,
     block: float = 0.0,
-) -> int:
-    """Put a waiter in ``name``'s line: its place (1 = next), 0 if the key is free and nobody
-    waits (then take it instead), or its place if ``entry`` is parked already and
-    ``again`` is False (``again``: the caller is that entry's own copy, which may park it anew):
-    then an :class:`AlreadyParked` (truthy, even at place 0). ``redelivered`` (a broker
-    redelivery of a parked message): :data:`TOOK_ITS_TURN` if the entry left for good already.
+) -> Parked:
+    """Put a waiter in ``name``'s line (:class:`Park` says what happened). ``again``: the caller is the
+    entry's own copy, which may park it anew (else an entry parked already is ALREADY).
+    ``redelivered`` (a broker redelivery of a parked message): TOOK_ITS_TURN if the entry left for good.
 
     ``kind``: "t" a task (``message`` is what to send when its turn comes), "s"
     a redelivered copy of the running task (dropped if the holder succeeds),
     "p" plain code. ``first`` goes ahead of everyone (a copy of the running task
     is its continuation). ``wait`` is how long it may wait before it is timed out.
     ``merge`` (``on_duplicate="coalesce"``): if the last in line is a parked task, the
-    message joins its merged calls instead (:class:`Merged`; see :mod:`.dedupe`).
+    message joins its merged calls instead (MERGED; see :mod:`.dedupe`).
     ``block`` > 0: the task goes on waiting in its worker slot that many seconds
     (:func:`wait_in_slot`); a hand-off meanwhile wakes it there, to claim the key, instead of sending
     its message.
@@ -177,26 +189,13 @@ def park(
         (entry, kind, ms(wait), ms(ttl), owner_id, message, "1" if first else "0", "1" if again else "0",
          "1" if redelivered else "0", "1" if merge else "0", str(ms(block)) if block > 0 else "0"),
     )
-    status = int(reply[0])
-    if status == 4:
-        return Merged(_text(reply[1]), _text(reply[2]))
-    if status == 2:
-        return AlreadyParked(int(reply[1]))
-    if status == 3:
-        return TOOK_ITS_TURN
-    if status == 5:
-        return CLAIM
-    return int(reply[1]) if status == 1 else 0
+    found = Park(int(reply[0]))
+    if found is Park.MERGED:
+        return Parked(found, 0, _text(reply[1]), _text(reply[2]))
+    return Parked(found, int(reply[1]) if found in (Park.PARKED, Park.ALREADY) else 0)
 
 
-WOKEN, PARKED, SENT, UNKNOWN = 2, 1, 0, -1
-"""What :func:`wait_in_slot` returns: the key is reserved for it (claim it now); it is parked (its
-message goes when its turn comes); its turn came as a message already (or it left the line): the
-delivery ends; or neither its record nor its tombstone is there (it never parked, or the data was
-lost: the sweeper of the process that parked it sends it again)."""
-
-
-def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> int:
+def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> Slot:
     """Wait in the worker slot for the hand-off of a task parked with ``block``, up to ``seconds``.
 
     The hot-key fast path: a release wakes the waiter through its wake-up list in the same round trip
@@ -206,17 +205,17 @@ def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> i
     """
     try:
         if server.client.blpop([layout.wake(slot_safe(name), entry)], timeout=seconds):
-            return WOKEN
+            return Slot.WOKEN
     except RedisError as exc:
         logger.warning("lock %s: waiting in the worker slot failed (%s); parked instead", name, exc)
     return stop_waiting(server, name, entry)
 
 
-def stop_waiting(server: LockServer, name: str, entry: str) -> int:
+def stop_waiting(server: LockServer, name: str, entry: str) -> Slot:
     """End ``entry``'s wait in its worker slot, atomically against a hand-off (UNBLOCK): what
     :func:`wait_in_slot` returns."""
     key = slot_safe(name)
-    return int(server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry,)))
+    return Slot(int(server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry,))))
 
 
 def leave(server: LockBackend, name: str, entry: str) -> bool:
@@ -301,8 +300,8 @@ def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None
             if entry is None:
                 entry = new_entry()
                 alive_at = time.monotonic()
-                if not park(server, name, entry, kind="p", wait=min(left, PLAIN_LEASE), ttl=ttl,
-                            owner_id=owner_id or entry):
+                if park(server, name, entry, kind="p", wait=min(left, PLAIN_LEASE), ttl=ttl,
+                        owner_id=owner_id or entry).found is Park.FREE:
                     entry = None  # it was freed meanwhile: take it
                 continue
             if time.monotonic() - alive_at >= LONGEST_BLOCK:  # still here: its place lives on

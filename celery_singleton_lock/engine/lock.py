@@ -57,6 +57,21 @@ class Verdict(Enum):
     ENTRY_GONE = "this waiter's entry is gone: it already ran, or it left the line"
 
 
+class Release(Enum):
+    """What a release found: RELEASE's status, decoded once."""
+
+    DELETED = 1
+    """It was ours, and is gone (or passed on to the next waiter, or kept for a cooldown)."""
+    GONE = 0
+    """It had expired already."""
+    TAKEN = -1
+    """Another token holds the key."""
+    NOT_HERE = -2
+    """Not this process's lock (a forked child's copy): nothing was done."""
+    REFUSED = -3
+    """The lock server refused the release (e.g. WRONGTYPE); only the task side's release says so."""
+
+
 @dataclass(frozen=True)
 class Done:
     """An acquire that found this owner already succeeded here, with what its body returned
@@ -296,12 +311,11 @@ class Handoff:
 class Released:
     """What a release did. True when it deleted our lock."""
 
-    status: int
-    """1 deleted (ours), 0 already gone, -1 held by another token, -2 not this process's lock."""
+    status: Release
     handoffs: tuple[Handoff, ...] = ()
 
     def __bool__(self) -> bool:
-        return self.status == 1
+        return self.status is Release.DELETED
 
 
 

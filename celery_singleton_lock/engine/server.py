@@ -30,7 +30,7 @@ from ..exceptions import LockBackendUnavailable, LockError
 from . import fresh as fresh_path
 from . import layout, line_scripts, scripts, wire
 from .addresses import redact_url
-from .lock import Backend, Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
+from .lock import Backend, Done, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, ms, slot_safe
 from .plumbing import DEFAULT_REPLICA_TIMEOUT, ScriptClient, Unreplicated
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -279,21 +279,21 @@ class LockServer(ScriptClient):
         another process than the one that took it, nothing is done (status -2).
         """
         if lock.pid != os.getpid():
-            return Released(-2)
+            return Released(Release.NOT_HERE)
         if type(lock) is fresh_path.FencedLater and not (remember or again or cooldown):  # the lightest way
             if self.run(fresh_path.RELEASE_FRESH, (lock.key,), (lock.prefix,)) == 1:
                 lock.released = True
-                return Released(1)  # (else someone parked behind it, or it is gone: the full RELEASE says)
+                return Released(Release.DELETED)  # (else: a line, or gone)
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
                 value if remember else "", "1" if again else "0", str(retries), str(ms(cooldown)) if cooldown else "0",
                 "1" if presend and time.monotonic() - lock.acquired_at <= presend else "0")
         reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args)
         lock.released = True
         if type(reply) is int:  # deleted, and nothing else to do (no line, no success to remember)
-            return Released(reply)
+            return Released(Release(reply))
         handoffs = tuple(Handoff.parse(lock.key, item) for item in reply[1:])
         self.dispatch(handoffs)
-        return Released(int(reply[0]), handoffs)
+        return Released(Release(int(reply[0])), handoffs)
 
     def renew(self, lock: Lock) -> bool:
         """Set the lock's TTL again; True renewed, False no longer the owner (or not this process's lock)."""

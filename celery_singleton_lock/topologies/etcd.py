@@ -40,7 +40,7 @@ from typing import Any
 
 from ..engine import layout
 from ..engine.line import entry_for
-from ..engine.lock import Done, Handoff, Holder, Lock, Released, Verdict, check_ttl, slot_safe
+from ..engine.lock import Done, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, slot_safe
 from ..engine.server import DEFAULT_TURN_TIMEOUT, TOKEN_BYTES, HandoffSender, renew_one
 from ..exceptions import LockBackendUnavailable, LockError
 from .etcd_line import EtcdLine, anyone_waits, line_is_empty
@@ -253,7 +253,7 @@ class EtcdLockServer:
         then sent (:mod:`.etcd_line`).
         ``succeeded`` with ``remember`` > 0 keeps ``value`` as the owner's done record that long."""
         if lock.pid != os.getpid():
-            return Released(-2)
+            return Released(Release.NOT_HERE)
         lock_key = layout.etcd_lock(lock.key)
         extra = []
         if succeeded and remember > 0 and lock.owner_id:
@@ -270,7 +270,7 @@ class EtcdLockServer:
         lock.released = True
         self.session(lock.ttl).locks.discard(lock)
         if reply.get("succeeded"):  # nobody waits: the common case, one txn
-            return Released(1)
+            return Released(Release.DELETED)
         responses = reply.get("responses") or [{}]
         held = _kvs(responses[0])
         mine = bool(held) and int(held[0].get("create_revision", 0)) == lock.fencing_token and \
@@ -286,7 +286,7 @@ class EtcdLockServer:
             if not held and _kvs(responses[-1]):  # gone already (expired), with a line: pass the key on
                 handoffs = self.waiting.hand_on(lock.key)
         self.dispatch(handoffs)
-        return Released(status, tuple(handoffs))
+        return Released(Release(status), tuple(handoffs))
 
     def renew(self, lock: Lock) -> bool:
         return renew_one(self, lock)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..engine import layout
-from ..engine.line import CLAIM, TOOK_ITS_TURN, AlreadyParked
+from ..engine.line import Park, Parked
 from ..engine.lock import Handoff, Holder, ms, slot_safe
 from .etcd_session import DoneLeases, Transport, b64, unb64
 from .etcd_txn import _compare_create, _compare_value, _kvs, _put, _range, prefix_range
@@ -178,9 +178,9 @@ class EtcdLine:
 
     def park(self, name: str, entry: str, *, kind: str, wait: float, ttl: float, owner_id: str,
              message: bytes = b"", first: bool = False, again: bool = False, redelivered: bool = False,
-             **_: Any) -> int:
+             **_: Any) -> Parked:
         """Join ``name``'s line (see :func:`celery_singleton_lock.engine.line.park`, whose answers
-        these are): 0 free (take it instead), CLAIM, TOOK_ITS_TURN, AlreadyParked, else its place.
+        these are).
         ``merge`` and ``block`` are Redis-only and ignored (see the module doc)."""
         key = slot_safe(name)
         lock, turn = layout.etcd_lock(key), layout.etcd_turn(key)
@@ -190,13 +190,13 @@ class EtcdLine:
         r = self._txn([], reads, [], key).get("responses") or []
         held, reserved, parked = bool(_kvs(r[0])), _kvs(r[1]), bool(_kvs(r[2]) or _kvs(r[3]))
         if redelivered and not again and _kvs(r[4]):
-            return TOOK_ITS_TURN
+            return Parked(Park.TOOK_ITS_TURN)
         if parked and not again:
-            return AlreadyParked(0)
+            return Parked(Park.ALREADY)
         if again and reserved and unb64(reserved[0].get("value")).decode() == entry and not held:
-            return CLAIM
+            return Parked(Park.CLAIM)
         if not held and not reserved and not _kvs(r[5]):
-            return 0
+            return Parked(Park.FREE)
         band = "0" if first else "1"
         value = record(kind, _now_ms() + ms(wait), ms(ttl), owner_id, message)
         ops = [_put(waiter_key(key, band, entry), value, 0), _put(layout.ETCD_WAITING + key, b"", 0)]
@@ -210,7 +210,7 @@ class EtcdLine:
         place = _count(r[n + 2]) + (_count(r[n + 3]) if band == "1" else 0)
         if not _kvs(r[n]) and not _kvs(r[n + 1]):  # free and reserved for nobody: nobody else hands it on
             self.server.dispatch(self.hand_on(key))
-        return max(1, place)
+        return Parked(Park.PARKED, max(1, place))
 
     def leave(self, name: str, entry: str) -> bool:
         """``entry`` gives up its place; if the key was reserved for it, it passes on. True if it was."""

@@ -54,7 +54,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ..engine import layout, scripts, wire
-from ..engine.lock import Holder, Lock, Released, Verdict, check_ttl, ms, slot_safe
+from ..engine.lock import Holder, Lock, Release, Released, Verdict, check_ttl, ms, slot_safe
 from ..engine.server import TOKEN_BYTES, HandoffSender, LockServer, renew_one
 from ..exceptions import LockBackendUnavailable, LockError
 from . import quorum_scripts as qlua
@@ -280,7 +280,7 @@ class QuorumLockServer:
         ``value`` is not kept (a quorum's done record drops a redelivery; it cannot replay it), and
         ``again`` changes nothing (a quorum hands no key on)."""
         if lock.pid != os.getpid():
-            return Released(-2)
+            return Released(Release.NOT_HERE)
         rest = (lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
                 str(ms(cooldown)) if cooldown else "0")
         # every member the acquire may have reached gets the release, queued behind that acquire even
@@ -297,8 +297,8 @@ class QuorumLockServer:
             raise LockBackendUnavailable(self.url, f"no majority answered the release: {errors[0] if errors else ''}")
         lock.released = True
         if sum(1 for s in statuses if s == 1) >= self.majority:
-            return Released(1)
-        return Released(-1 if any(s == -1 for s in statuses) else 0)
+            return Released(Release.DELETED)
+        return Released(Release.TAKEN if any(s == -1 for s in statuses) else Release.GONE)
 
     def renew(self, lock: Lock) -> bool:
         return renew_one(self, lock)

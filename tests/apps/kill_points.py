@@ -48,7 +48,7 @@ def install() -> None:
         @functools.wraps(park)
         def parked(*args: Any, **kwargs: Any) -> Any:
             place = park(*args, **kwargs)
-            if place and place != line.TOOK_ITS_TURN and not isinstance(place, line.AlreadyParked):
+            if place.found is line.Park.PARKED:
                 _die("parked")
             return place
 
