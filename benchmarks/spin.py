@@ -8,12 +8,15 @@ pay: ``prefork -c 8`` on a 2-core host (more processes than cores), and the lock
 that adds about ``--extra-us`` to every round trip. The broker is a redis-server of its own, reached
 directly.
 
-Per round, for each setting in turn (the order alternates between rounds), one worker is started,
-``--n`` LockedTasks with distinct arguments are published while it is frozen, and it drains them:
+Per round, for each setting in turn (ours with the spin, ours without, and a plain Celery task as the
+baseline; the order alternates between rounds), one worker is started, ``--n`` tasks with distinct
+arguments are published while it is frozen, and it drains them:
 
 * throughput: tasks per second, from the resume to the last completion;
 * CPU per task: user + system time of the worker's processes (the main one and its pool children),
-  over the drain, divided by the tasks (µs); the lock Redis's and the proxy's CPU are reported apart.
+  over the drain, divided by the tasks (µs); the pool children's split between their main threads
+  (the tasks' own path) and their other threads (our watchdog and sweeper); the lock Redis's and the
+  proxy's CPU apart.
 
 The result is printed as JSON and, with ``--out``, written there (benchmarks/RESULTS.md quotes it).
 """
@@ -80,17 +83,36 @@ class LatencyProxy:
         self._listener.close()
 
 
+def _ticks(path: str) -> int:
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU of ``pids`` so far (processes gone since count nothing)."""
-    total = 0
+    return sum(_ticks(f"/proc/{pid}/stat") for pid in pids) / TICK
+
+
+def thread_cpu_seconds(pids: list[int]) -> tuple[float, float]:
+    """(the main threads', every other thread's) CPU of ``pids`` so far: in a pool child the other threads
+    are ours (the watchdog and the sweeper), so this tells the tasks' own path from the background."""
+    main = other = 0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / TICK
+        for tid in tids:
+            ticks = _ticks(f"/proc/{pid}/task/{tid}/stat")
+            if int(tid) == pid:
+                main += ticks
+            else:
+                other += ticks
+    return main / TICK, other / TICK
 
 
 def round_trip_us(port: int, n: int = 2000) -> float:
@@ -105,41 +127,48 @@ def round_trip_us(port: int, n: int = 2000) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
-def one_setting(spin: bool, args: argparse.Namespace, broker: RedisServer, lock_port: int, lock_pid: int,
+def one_setting(variant: str, spin: bool, args: argparse.Namespace, broker: RedisServer, lock_port: int, lock_pid: int,
                 proxy_pid: int, out_dir: Path) -> dict:
     os.environ["BENCH_SPIN"] = "1" if spin else "0"
+    # (bench_app reads these at its import, on this side too)
+    os.environ.update(BENCH_BROKER_URL=broker.url(0), BENCH_LOCK_URL=f"redis://127.0.0.1:{lock_port}/0")
     from harness import BenchWorker
 
-    env = {**os.environ, "BENCH_BROKER_URL": broker.url(0), "BENCH_LOCK_URL": f"redis://127.0.0.1:{lock_port}/0"}
+    env = dict(os.environ)
     worker = BenchWorker("prefork", args.concurrency, env, out_dir, name=f"spin-{int(spin)}").start()
     try:
         import bench_app
 
-        worker.run_batch([("ours", bench_app.ours)] * 200, timeout=300)  # warm: every child connected
+        task = bench_app.VARIANTS[variant]
+        worker.run_batch([(variant, task)] * 200, timeout=300)  # warm: every child connected
         pids = [worker.pid, *worker.proc.children()]
+        children = worker.proc.children()
         worker.pause()
         from harness import next_seq
 
         seqs = []
         for _ in range(args.n):
             seq = next_seq()
-            bench_app.ours.apply_async((seq,))
+            task.apply_async((seq,))
             seqs.append(seq)
-        before = cpu_seconds(pids), cpu_seconds([lock_pid]), cpu_seconds([proxy_pid])
+        before = cpu_seconds(pids), cpu_seconds([lock_pid]), cpu_seconds([proxy_pid]), thread_cpu_seconds(children)
         start = time.perf_counter_ns()
         worker.resume()
         done = worker.records.wait_for(seqs, timeout=600)
         end = done[-1][2]
-        after = cpu_seconds(pids), cpu_seconds([lock_pid]), cpu_seconds([proxy_pid])
+        after = cpu_seconds(pids), cpu_seconds([lock_pid]), cpu_seconds([proxy_pid]), thread_cpu_seconds(children)
     finally:
         worker.stop()
     seconds = (end - start) / 1e9
     return {
+        "variant": variant,
         "spin": spin,
         "tasks_per_s": round(args.n / seconds, 1),
         "worker_cpu_us_per_task": round((after[0] - before[0]) / args.n * 1e6, 1),
         "lock_redis_cpu_us_per_task": round((after[1] - before[1]) / args.n * 1e6, 1),
         "proxy_cpu_us_per_task": round((after[2] - before[2]) / args.n * 1e6, 1),
+        "children_main_threads_cpu_us_per_task": round((after[3][0] - before[3][0]) / args.n * 1e6, 1),
+        "children_other_threads_cpu_us_per_task": round((after[3][1] - before[3][1]) / args.n * 1e6, 1),
     }
 
 
@@ -163,8 +192,9 @@ def main() -> int:
     results: list[dict] = []
     try:
         for r in range(args.rounds):
-            for spin in ((True, False) if r % 2 == 0 else (False, True)):
-                got = one_setting(spin, args, broker, proxy.port, locks.pid, os.getpid(), out_dir)
+            settings = [("ours", True), ("ours", False), ("plain", True)]
+            for variant, spin in (settings if r % 2 == 0 else settings[::-1]):
+                got = one_setting(variant, spin, args, broker, proxy.port, locks.pid, os.getpid(), out_dir)
                 got["round"] = r + 1
                 print(json.dumps(got), flush=True)
                 results.append(got)
@@ -178,11 +208,13 @@ def main() -> int:
                   "round_trip_us_through_proxy": round(through, 1)},
         "runs": results,
     }
-    for spin in (True, False):
-        mine = [r for r in results if r["spin"] is spin]
-        summary["spin_on" if spin else "spin_off"] = {
+    named = (("spin_on", "ours", True), ("spin_off", "ours", False), ("plain_celery", "plain", True))
+    for name, variant, spin in named:
+        mine = [r for r in results if r["variant"] == variant and r["spin"] is spin]
+        summary[name] = {
             key: round(statistics.median(r[key] for r in mine), 1)
-            for key in ("tasks_per_s", "worker_cpu_us_per_task", "lock_redis_cpu_us_per_task")
+            for key in ("tasks_per_s", "worker_cpu_us_per_task", "lock_redis_cpu_us_per_task",
+                        "children_main_threads_cpu_us_per_task", "children_other_threads_cpu_us_per_task")
         }
     print(json.dumps(summary, indent=2))
     if args.out:
