@@ -212,10 +212,10 @@ def _install_breakdown() -> None:
     from celery.signals import worker_process_shutdown, worker_shutdown
     from redis.connection import AbstractConnection
 
-    from celery_singleton_lock import keys as csl_keys
-    from celery_singleton_lock import releasing as csl_releasing
     from celery_singleton_lock import signals as csl_signals
-    from celery_singleton_lock import task as csl_task
+    from celery_singleton_lock.delivery import keys as csl_keys
+    from celery_singleton_lock.delivery import releasing as csl_releasing
+    from celery_singleton_lock.delivery import task as csl_task
     from celery_singleton_lock.engine import exchange as csl_exchange
     from celery_singleton_lock.engine import server as csl_server
     from celery_singleton_lock.engine import wire as csl_wire

@@ -33,11 +33,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent.parent / "tests")]
+
+from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd  # noqa: E402 - the suite's etcd helper (tests/)
 
 from celery_singleton_lock.engine import line as lines  # noqa: E402
 from celery_singleton_lock.engine.lock import Lock  # noqa: E402
-from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd  # noqa: E402
 from celery_singleton_lock.testing.servers import RedisServer  # noqa: E402
 from celery_singleton_lock.topologies.servers import from_settings  # noqa: E402
 from celery_singleton_lock.watchdog.renewer import Watchdog  # noqa: E402

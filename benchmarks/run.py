@@ -238,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
             say(f"  {name}: acquire p50 {row['acquire_p50_us']:.0f} µs, release p50 {row['release_p50_us']:.0f} µs")
         say(f"4c. topologies: the lock per task on one Redis, Sentinel and a 3-master Cluster; the watchdog at "
             f"{p['topo_n']:,} locks on the Cluster")
-        from celery_singleton_lock.testing.deployments import RedisClusterDeployment, SentinelDeployment
+        sys.path.insert(0, str(ROOT / "tests"))  # the suite's Sentinel and Cluster deployments
+        from _deployments import RedisClusterDeployment, SentinelDeployment
 
         with SentinelDeployment(replicas=1, sentinels=3) as sentinel, RedisClusterDeployment(masters=3) as cluster:
             results["topologies"] = scale_run(

@@ -222,7 +222,7 @@ def micro(args: argparse.Namespace) -> dict:
     """Where our per-task worker time goes, piece by piece, in µs per call."""
     import inspect
 
-    from celery_singleton_lock import config, keys
+    from celery_singleton_lock.delivery import config, keys
     from celery_singleton_lock.engine.server import LockServer
     from celery_singleton_lock.watchdog.process import get_watchdog
 

@@ -9,8 +9,8 @@ The engine underneath (:class:`LockServer`, :class:`Lock`) and the watchdog
 work without Celery too; see :func:`held`.
 """
 
-from . import revoke as _revoke  # noqa: F401 - takes revoked tasks out of the lines (a worker bootstep)
-from . import workers as _workers  # noqa: F401 - starts and stops this process's threads with the worker
+from .delivery.parked import WAITING
+from .delivery.task import LockedTask
 from .engine.lock import Holder, Lock, Release, Released
 from .engine.server import LockServer
 from .exceptions import (
@@ -26,12 +26,12 @@ from .exceptions import (
     SelfDeadlock,
 )
 from .ops import control as _control  # noqa: F401  (registers the `celery inspect locks` command)
-from .parked import WAITING
 from .signals import duplicate_coalesced, duplicate_skipped, lock_acquired, lock_lost, lock_released, publish_joined
-from .task import LockedTask
 from .topologies.plain import held
 from .watchdog.process import get_watchdog
 from .watchdog.renewer import Watchdog
+from .worker import revoke as _revoke  # noqa: F401 - takes revoked tasks out of the lines (a worker bootstep)
+from .worker import workers as _workers  # noqa: F401 - starts and stops this process's threads with the worker
 
 __all__ = [
     "LockedTask",

@@ -61,7 +61,7 @@ from celery.beat import PersistentScheduler, SchedulingError
 from celery.utils.time import maybe_make_aware
 from redis.exceptions import RedisError
 
-from . import config
+from .delivery import config
 from .engine.lock import Holder, Lock, check_ttl, slot_safe
 from .engine.server import LockBackend
 from .exceptions import LockError

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any
 
-from .headers import PARKED_AT
+from .delivery.headers import PARKED_AT
 from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
 from .watchdog import rounds as watchdog
 

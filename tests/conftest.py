@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from _backends import BACKENDS, LockBackendUnderTest, backend_of, lock_store
+from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, find_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent

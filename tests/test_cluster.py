@@ -15,6 +15,7 @@ import time
 import uuid
 
 import pytest
+from _deployments import RedisClusterDeployment
 from _task_support import collect_results  # noqa: F401 - autouse: gc while Redis runs
 from _topology_support import check_contract
 from conftest import make_app
@@ -23,7 +24,6 @@ from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.engine import sweeper as sweeping
 from celery_singleton_lock.engine.lock import Holder, Lock, Release
 from celery_singleton_lock.exceptions import LockError
-from celery_singleton_lock.testing.deployments import RedisClusterDeployment
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies import servers
 from celery_singleton_lock.topologies.servers import ClusterLockServer

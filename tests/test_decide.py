@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_singleton_lock.decide import Action, Delivery, Found, decide
+from celery_singleton_lock.delivery.decide import Action, Delivery, Found, decide
 
 HELD = (Found.HELD, Found.QUEUED)  # "held by another / line": the same rows for both
 

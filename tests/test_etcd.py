@@ -1,7 +1,7 @@
 """What only the etcd backend has: its URL, the one-lease session and its single keep-alive, a lost
 lease losing every lock on it at once, and fencing by create revision across a leader change.
 
-Against private etcd processes (testing/etcd_servers.py): one member for the session
+Against private etcd processes (tests/_etcd_servers.py): one member for the session
 (``etcd_server``), and a 3-member cluster of the test's own for the leader change. The contract
 tests shared with Redis are parametrized over the backend in their own files (tests/_backends.py).
 """
@@ -13,11 +13,11 @@ import time
 import uuid
 
 import pytest
+from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 
 from celery_singleton_lock import held
 from celery_singleton_lock.engine.lock import Holder, Lock, Release
 from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable, LockLost
-from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies.etcd import VERIFY_UP_TO, EtcdLockServer
 from celery_singleton_lock.topologies.etcd_session import parse_etcd_url

@@ -15,11 +15,11 @@ import time
 import uuid
 
 import pytest
+from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd, wait_healthy
 from _task_support import assert_no_overlap, load_worker_app, start_worker_process
 
 from celery_singleton_lock.engine import line as lines
 from celery_singleton_lock.exceptions import LockError
-from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd, wait_healthy
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies.etcd import EtcdLockServer
 

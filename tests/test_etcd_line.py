@@ -13,11 +13,11 @@ import time
 import uuid
 
 import pytest
+from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 
 from celery_singleton_lock.engine import layout
 from celery_singleton_lock.engine import line as lines
 from celery_singleton_lock.engine.lock import Holder, Lock, Verdict
-from celery_singleton_lock.testing.etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies.etcd import EtcdLockServer
 from celery_singleton_lock.topologies.etcd_session import b64

@@ -204,7 +204,7 @@ def test_spin_off_reads_by_sleeping_at_once_and_the_setting_turns_it_off(redis):
     spinning first; the lock works the same."""
     from celery import Celery
 
-    from celery_singleton_lock import workers
+    from celery_singleton_lock.worker import workers
 
     app = Celery("spin_off", set_as_current=False)
     app.conf.singleton_lock_spin = False

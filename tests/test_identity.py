@@ -35,7 +35,7 @@ from celery.signals import before_task_publish, task_prerun
 from conftest import make_app
 
 from celery_singleton_lock import LockError, LockServer, SelfDeadlock, held
-from celery_singleton_lock import config as csl_config
+from celery_singleton_lock.delivery import config as csl_config
 from celery_singleton_lock.engine.addresses import redact_url
 from celery_singleton_lock.engine.lock import Lock
 from celery_singleton_lock.testing.servers import Monitor, RedisServer, wait_until
@@ -786,8 +786,9 @@ def test_after_a_data_loss_a_recovered_copy_counts_only_another_deliverys_start_
     redelivery of it (its worker died mid-body), is not another's run: counting it would lose the call."""
     from celery.app.task import Context
 
-    from celery_singleton_lock import LockedTask, identity
-    from celery_singleton_lock.headers import ENTRY, PARKED_AT, RECOVERED
+    from celery_singleton_lock import LockedTask
+    from celery_singleton_lock.delivery import identity
+    from celery_singleton_lock.delivery.headers import ENTRY, PARKED_AT, RECOVERED
 
     @app.task(base=LockedTask, bind=True)
     def waiting(self):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_singleton_lock import keys
+from celery_singleton_lock.delivery import keys
 from celery_singleton_lock.exceptions import LockError, LockKeyError
 
 pytestmark = pytest.mark.timeout(60)
@@ -269,7 +269,7 @@ def test_lock_key_name_missing_from_the_call_is_an_error_never_none():
 
 
 def test_lock_key_naming_the_var_parameters_themselves_is_an_error():
-    from celery_singleton_lock.config import check_lock_key  # not at the top: GOLDEN_SCRIPT has no redis
+    from celery_singleton_lock.delivery.config import check_lock_key  # not at the top: GOLDEN_SCRIPT has no redis
 
     def loose(a, *rest, **kw):
         pass
@@ -288,7 +288,7 @@ def test_lock_key_naming_the_var_parameters_themselves_is_an_error():
 
 
 def test_lock_key_check_still_allows_names_that_may_come_through_var_keyword():
-    from celery_singleton_lock.config import check_lock_key
+    from celery_singleton_lock.delivery.config import check_lock_key
 
     def loose(a, /, **kw):
         pass
@@ -761,8 +761,8 @@ def test_the_lock_key_arguments_alone_derive_the_key_an_operator_asks_for():
     call ``deduct("sku-1", 5)``; keyed on every argument, a missing one is still an error naming it."""
     import inspect
 
+    from celery_singleton_lock.delivery.keys import derive
     from celery_singleton_lock.exceptions import LockKeyError
-    from celery_singleton_lock.keys import derive
 
     def deduct(sku, qty):
         return sku, qty

@@ -40,12 +40,12 @@ from celery import Celery
 from conftest import make_app
 
 from celery_singleton_lock import LockedTask, LockServer, LockWaitTimeout, held
+from celery_singleton_lock.delivery.turns import SUFFIX, TurnsConsumer
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.engine import scripts
 from celery_singleton_lock.engine.line import SWEEP_INTERVAL, SWEEP_LEASE
 from celery_singleton_lock.engine.lock import Handoff, Lock, slot_safe
 from celery_singleton_lock.testing.servers import wait_until
-from celery_singleton_lock.turns import SUFFIX, TurnsConsumer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -634,7 +634,7 @@ def test_a_sweeper_leaves_alone_the_waiters_of_a_task_its_process_cannot_send(re
     server_a = a_job.lock_server()
     sweeping.get_sweeper().watch(server_a, a_job.lock_settings().index)
     # this process stands for app A alone: forget B's task if an earlier test here ever locked with it
-    from celery_singleton_lock import handoff
+    from celery_singleton_lock.delivery import handoff
 
     handoff._apps.pop(wa.in_line_wait6.name, None)
     handoff._heads.discard(f"{wa.in_line_wait6.lock_settings().prefix}:{wa.in_line_wait6.name}")

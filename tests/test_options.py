@@ -16,8 +16,8 @@ from _task_support import start_worker_process
 from celery import Celery
 
 from celery_singleton_lock import LockedTask
-from celery_singleton_lock.config import SETTINGS
-from celery_singleton_lock.options import unknown_settings
+from celery_singleton_lock.delivery.config import SETTINGS
+from celery_singleton_lock.delivery.options import unknown_settings
 
 pytestmark = pytest.mark.timeout(60)
 

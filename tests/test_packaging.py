@@ -88,6 +88,9 @@ def test_the_wheel_holds_the_package_and_its_metadata(dists: tuple[Path, Path, s
         f"missing: {sorted(package_files() - shipped)}; unexpected: {sorted(shipped - package_files())}"
     )
     assert f"{PACKAGE}/py.typed" in shipped
+    # runtime code and what the pytest plugin needs, nothing else: the suite's Sentinel, Cluster and etcd
+    # deployments stay in tests/
+    assert not [n for n in shipped if n.endswith(("deployments.py", "etcd_servers.py"))], sorted(shipped)
     assert "[pytest11]" in entry_points and f"celery_singleton_lock = {PACKAGE}.pytest_plugin" in entry_points
     assert "Requires-Dist: celery[redis]" in metadata
     assert "Provides-Extra: pytest" in metadata
@@ -108,7 +111,8 @@ def test_the_sdist_holds_readme_pyproject_and_the_package(dists: tuple[Path, Pat
         names = tf.getnames()
     top = names[0].split("/")[0]
     inside = {n[len(top) + 1:] for n in names if n.startswith(f"{top}/")}
-    for wanted in ("README.md", "LICENSE", "pyproject.toml", "PKG-INFO", *package_files()):
+    for wanted in ("README.md", "LICENSE", "pyproject.toml", "PKG-INFO", "CHANGELOG.md", "docs/index.md",
+                   "examples/README.md", *package_files()):
         assert wanted in inside, f"{wanted} is not in {sdist.name}"
     junk = [n for n in inside if n.startswith((".venv/", ".git/")) or "__pycache__" in n or n.endswith(".pyc")]
     assert not junk, junk

@@ -97,7 +97,7 @@ def test_the_docs_settings_table_names_every_setting() -> None:
     assert spec is not None and spec.loader is not None
     hooks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hooks)
-    from celery_singleton_lock import config
+    from celery_singleton_lock.delivery import config
 
     table = hooks.settings_table()
     for setting in config.SETTINGS:

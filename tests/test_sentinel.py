@@ -20,6 +20,7 @@ import time
 import uuid
 
 import pytest
+from _deployments import SentinelDeployment, _role
 from _task_support import (
     assert_no_overlap,
     collect_results,  # noqa: F401 - autouse: gc while Redis runs
@@ -30,11 +31,11 @@ from _topology_support import check_contract
 from celery import Celery
 from conftest import make_app
 
-from celery_singleton_lock import LockedTask, config
+from celery_singleton_lock import LockedTask
+from celery_singleton_lock.delivery import config
 from celery_singleton_lock.engine.lock import Lock, Release, slot_safe
 from celery_singleton_lock.engine.scripts import ACQUIRE_FRESH
 from celery_singleton_lock.exceptions import LockBackendUnavailable, LockError
-from celery_singleton_lock.testing.deployments import SentinelDeployment, _role
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies import servers
 from celery_singleton_lock.topologies.servers import SentinelLockServer

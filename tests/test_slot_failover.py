@@ -23,10 +23,10 @@ from types import SimpleNamespace
 
 import pytest
 import redis
+from _deployments import SentinelDeployment
 from _task_support import assert_no_overlap
 
 from celery_singleton_lock.engine import layout
-from celery_singleton_lock.testing.deployments import SentinelDeployment
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent

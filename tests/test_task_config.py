@@ -16,7 +16,7 @@ from celery import Celery
 from conftest import make_app
 
 from celery_singleton_lock import LockedTask
-from celery_singleton_lock import config as cfg
+from celery_singleton_lock.delivery import config as cfg
 from celery_singleton_lock.testing.servers import free_port
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from kombu.asynchronous.semaphore import LaxBoundedSemaphore
 
-from celery_singleton_lock.turns import SUFFIX, turns_first
+from celery_singleton_lock.delivery.turns import SUFFIX, turns_first
 
 pytestmark = pytest.mark.timeout(10)
 

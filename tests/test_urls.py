@@ -23,7 +23,8 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_singleton_lock import LockedTask, config
+from celery_singleton_lock import LockedTask
+from celery_singleton_lock.delivery import config
 from celery_singleton_lock.engine.addresses import redact_url
 from celery_singleton_lock.engine.server import LockServer
 from celery_singleton_lock.testing.servers import RedisServer, free_port

@@ -66,7 +66,7 @@ if MODE == "lock" and not LOCK_URL.startswith("redis://"):
 # -- lock mode: every task a LockedTask ------------------------------------------------
 
 def _install_locked_tasks() -> None:
-    Celery.task_cls = "celery_singleton_lock.task:LockedTask"
+    Celery.task_cls = "celery_singleton_lock.delivery.task:LockedTask"
     celery.Task = LockedTask  # ``from celery import Task`` in the suite's tasks.py
     original_init = Celery.__init__
 

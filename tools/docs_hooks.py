@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from celery_singleton_lock import config
+from celery_singleton_lock.delivery import config
 
 MEANINGS: dict[str, tuple[str, str]] = {
     # setting: (default as shown, meaning)

@@ -9,7 +9,7 @@ key passes to the next waiter at once, as a release would), and
 waiters (the sweeper's index: one round trip per such key).
 :func:`force_release` deletes a lock whoever holds it and hands the key to the
 next waiter, in one script. Engine code: it knows nothing of Celery;
-:mod:`celery_singleton_lock.revoke` and :mod:`celery_singleton_lock.ops` call it.
+:mod:`celery_singleton_lock.worker.revoke` and :mod:`celery_singleton_lock.ops` call it.
 """
 
 from __future__ import annotations

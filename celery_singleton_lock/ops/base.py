@@ -19,11 +19,11 @@ from typing import Any, NoReturn
 import click
 from redis.exceptions import RedisError
 
-from .. import config
+from ..delivery import config
+from ..delivery.task import LockedTask
 from ..engine.addresses import redact_url
 from ..engine.server import LockBackend
 from ..exceptions import LockError
-from ..task import LockedTask
 from ..topologies import servers
 from .nodes import Node, nodes_of
 from .survey import parse_key

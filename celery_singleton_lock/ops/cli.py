@@ -12,6 +12,7 @@ Redis result backend or broker, as the workers do) and the prefixes (the app's
     celery -A proj locks release --task NAME --all [--yes]  (cli_release.py)
     celery -A proj locks line KEY [--json]           (cli_line.py)
     celery -A proj locks drop KEY TASK_ID [--yes]    (cli_line.py)
+    celery -A proj locks check                       (cli_check.py: before a deploy)
 
 ``list`` walks the keyspace with SCAN (never KEYS), a batch at a time, and
 reads each batch in one pipelined round trip, so it never blocks Redis however
@@ -207,4 +208,4 @@ def _json_arg(option: str, text: str, kind: type) -> Any:
     return value
 
 
-from . import cli_line, cli_release  # noqa: E402,F401 - register "line", "drop" and "release" on the group
+from . import cli_check, cli_line, cli_release  # noqa: E402,F401 - register "check", "line", "drop", "release"

@@ -26,11 +26,11 @@ from typing import Any
 
 import click
 
-from .. import handoff
+from ..delivery import handoff
+from ..delivery.headers import PARKED_AT
 from ..engine import layout, line_ops
 from ..engine.server import LockServer
 from ..exceptions import LockError
-from ..headers import PARKED_AT
 from ..topologies.etcd import EtcdLockServer
 from .base import Target, audit, fail, locks, open_target, who_am_i
 from .survey import KINDS, STATES, duration, message_summary, to_json

@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from .. import handoff
+from ..delivery import handoff
 from ..engine import line_ops
 from ..engine.server import LockServer
 from ..exceptions import LockError

@@ -1,6 +1,5 @@
-"""Test helpers for our suite and users': private redis-servers (``servers``), Sentinel and
-Cluster deployments (``deployments``), private etcd members and clusters (``etcd_servers``), and our
-signals as events (``events``).
+"""Test helpers for users' suites and ours: private redis-servers and worker processes (``servers``),
+and our signals as events (``events``).
 
 ``from celery_singleton_lock.testing import RedisServer, WorkerProcess, wait_until`` keeps working:
 the helpers of ``servers`` are found here on first use (PEP 562), so importing ``testing.events``
@@ -12,19 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .etcd_servers import EtcdCluster, find_etcd
     from .servers import Monitor, RedisServer, WorkerProcess, find_redis_server, free_port, wait_until
 
-__all__ = ["find_redis_server", "free_port", "wait_until", "RedisServer", "Monitor", "WorkerProcess",
-           "EtcdCluster", "find_etcd"]
-_ETCD = ("EtcdCluster", "find_etcd")
+__all__ = ["find_redis_server", "free_port", "wait_until", "RedisServer", "Monitor", "WorkerProcess"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _ETCD:
-        from . import etcd_servers
-
-        return getattr(etcd_servers, name)
     if name in __all__:
         from . import servers
 

@@ -38,7 +38,7 @@ def install() -> None:
     point = os.environ.get("CSL_TEST_KILL_AT")
     if not point:
         return
-    from celery_singleton_lock import releasing
+    from celery_singleton_lock.delivery import releasing
     from celery_singleton_lock.engine import line
     from celery_singleton_lock.engine.server import LockServer
 

@@ -25,7 +25,8 @@ import redis
 from celery import Celery
 
 from apps._slot_journal import journal_deliveries, run_body
-from celery_singleton_lock import LockedTask, policies
+from celery_singleton_lock import LockedTask
+from celery_singleton_lock.delivery import policies
 
 BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
 LOCK_URL = os.environ.get("CSL_LOCK_URL", f"{BASE}/2")

@@ -1,7 +1,7 @@
 """A worker process's threads: this process's sweeper starts with the worker process (and the lock
 Redis is checked for persistence once), and the sweeper and the watchdog stop with it.
 
-Connected to Celery's signals when :mod:`celery_singleton_lock.task` is imported.
+Connected to Celery's signals when :mod:`celery_singleton_lock.delivery.task` is imported.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
-from .engine import exchange, persistence
-from .engine import sweeper as sweeping
-from .engine.server import LockBackend, LockServer
-from .exceptions import LockKeyError
-from .watchdog.process import shutdown_watchdog
+from ..engine import exchange, persistence
+from ..engine import sweeper as sweeping
+from ..engine.server import LockBackend, LockServer
+from ..exceptions import LockKeyError
+from ..watchdog.process import shutdown_watchdog
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -23,7 +23,7 @@ logger = logging.getLogger("celery_singleton_lock")
 def watch_app(app: Any) -> None:
     """Start this process's sweeper on the servers of ``app``'s LockedTasks (worker start-up), and set
     whether its reads spin first (``singleton_lock_spin``)."""
-    from .task import LockedTask
+    from ..delivery.task import LockedTask
 
     exchange.spin(bool(app.conf.get("singleton_lock_spin", True)))
     seen: set[tuple[LockBackend, str]] = set()

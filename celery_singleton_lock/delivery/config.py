@@ -17,15 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import line as queue
-from .engine import timing
-from .engine.lock import check_ttl
-from .engine.plumbing import DEFAULT_REPLICA_TIMEOUT
-from .engine.server import DEFAULT_TURN_TIMEOUT, LockBackend
+from ..engine import line as queue
+from ..engine import timing
+from ..engine.lock import check_ttl
+from ..engine.plumbing import DEFAULT_REPLICA_TIMEOUT
+from ..engine.server import DEFAULT_TURN_TIMEOUT, LockBackend
+from ..topologies import servers
+from ..topologies.urls import lock_source, transport_options
+from ..topologies.urls import lock_url as lock_url  # re-exported: callers and tests read config.lock_url
 from .keys import KeySpec
-from .topologies import servers
-from .topologies.urls import lock_source, transport_options
-from .topologies.urls import lock_url as lock_url  # re-exported: callers and tests read config.lock_url
 
 logger = logging.getLogger(__name__)
 

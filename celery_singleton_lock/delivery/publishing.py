@@ -29,12 +29,12 @@ from typing import Any
 from celery.signals import task_revoked
 from celery.utils import uuid
 
-from .engine import dedupe
-from .engine.lock import ms
-from .engine.server import LockServer
-from .exceptions import AlreadyQueued, LockBackendUnavailable, LockError
+from ..engine import dedupe
+from ..engine.lock import ms
+from ..engine.server import LockServer
+from ..exceptions import AlreadyQueued, LockBackendUnavailable, LockError
+from ..signals import publish_joined
 from .headers import MARKED
-from .signals import publish_joined
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -25,10 +25,10 @@ from typing import Any
 from celery.backends.base import DisabledBackend
 from celery.states import READY_STATES, STARTED, SUCCESS
 
+from ..engine.lock import Done, Holder, Lock, Verdict
 from . import handoff
 from .compat import get_actual_ignore_result
 from .decide import Delivery, Found
-from .engine.lock import Done, Holder, Lock, Verdict
 from .headers import ENTRY, RECOVERED, UNREACHABLE
 
 logger = logging.getLogger("celery_singleton_lock")

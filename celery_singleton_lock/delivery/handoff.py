@@ -15,7 +15,7 @@ the app that registered the task), with a header that says why:
     it waited longer than its ``lock_max_wait``: fail it.
 
 Each of them goes to the turns queue of the queue the task was first
-delivered from (see :mod:`celery_singleton_lock.turns`), so a waiter does
+delivered from (see :mod:`celery_singleton_lock.delivery.turns`), so a waiter does
 not queue a second time behind work that arrived after it.
 """
 
@@ -29,11 +29,11 @@ from typing import Any
 from celery import Celery
 from kombu.serialization import dumps, loads
 
+from ..engine import layout
+from ..engine import sweeper as sweeping
+from ..engine.lock import Handoff
+from ..engine.server import HandoffSender
 from . import turns
-from .engine import layout
-from .engine import sweeper as sweeping
-from .engine.lock import Handoff
-from .engine.server import HandoffSender
 from .headers import ENTRY, EXPIRED, PARKED_AT, QUEUE, RECOVERED
 
 logger = logging.getLogger("celery_singleton_lock")

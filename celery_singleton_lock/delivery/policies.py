@@ -16,24 +16,24 @@ from typing import Any, NoReturn
 from celery import states
 from celery.exceptions import Ignore, Retry, TaskRevokedError
 
-from . import config, handoff, parked
-from .compat import eager_result, get_actual_ignore_result
-from .decide import Action
-from .engine import line as queue
-from .engine import sweeper as sweeping
-from .engine.line import Park, Slot
-from .engine.lock import Done, Holder, Lock, Verdict
-from .engine.server import LockBackend, LockServer
-from .exceptions import (
+from ..engine import line as queue
+from ..engine import sweeper as sweeping
+from ..engine.line import Park, Slot
+from ..engine.lock import Done, Holder, Lock, Verdict
+from ..engine.server import LockBackend, LockServer
+from ..exceptions import (
     DuplicateTask,
     LockBackendUnavailable,
     LockContended,
     LockError,
     SelfDeadlock,
 )
+from ..signals import duplicate_coalesced, duplicate_skipped
+from . import config, handoff, parked
+from .compat import eager_result, get_actual_ignore_result
+from .decide import Action
 from .headers import BACKOFF, ENTRY, MARKED, PARKED_AT, REDELIVERED, TOKEN, UNREACHABLE
 from .parked import WAITING
-from .signals import duplicate_coalesced, duplicate_skipped
 
 logger = logging.getLogger("celery_singleton_lock")
 

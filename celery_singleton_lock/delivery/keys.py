@@ -31,7 +31,7 @@ from datetime import date, datetime, time, timezone
 from decimal import Decimal
 from typing import Any
 
-from .exceptions import LockKeyError
+from ..exceptions import LockKeyError
 
 KeySpec = Sequence[str] | Callable[..., str] | None
 

@@ -27,10 +27,10 @@ from celery import bootsteps
 from celery.signals import worker_init
 from celery.worker import state
 
-from . import coalescing
-from .engine import line as queue
-from .engine import line_ops
-from .exceptions import LockError
+from ..delivery import coalescing
+from ..engine import line as queue
+from ..engine import line_ops
+from ..exceptions import LockError
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -94,7 +94,7 @@ def take_out(app: Any, task_id: str) -> list[str]:
 
 def _lines_of(app: Any) -> list[tuple[Any, str]]:
     """(server, sweeper index) of every LockedTask of ``app`` whose server keeps lines."""
-    from .task import LockedTask
+    from ..delivery.task import LockedTask
 
     found: dict[tuple[int, str], tuple[Any, str]] = {}
     for task in list(app.tasks.values()):
@@ -111,7 +111,7 @@ def _lines_of(app: Any) -> list[tuple[Any, str]]:
 
 @worker_init.connect(weak=False)
 def _install(sender: Any = None, **_: Any) -> None:
-    from .turns import has_locked_tasks
+    from ..delivery.turns import has_locked_tasks
 
     app = getattr(sender, "app", None)
     if app is not None and has_locked_tasks(app):  # the worker imported its task modules already

@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from .servers import RedisServer, find_redis_server, wait_until
+from celery_singleton_lock.testing.servers import RedisServer, find_redis_server, wait_until
 
 
 def _free_cluster_port() -> int:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..engine import line as queue
+from ..engine.lock import Holder, Lock, Verdict
+from ..engine.server import LockBackend, LockServer
+from ..exceptions import LockWaitTimeout
 from . import coalescing, config, identity, policies, publishing
 from .decide import Action, Delivery
-from .engine import line as queue
-from .engine.lock import Holder, Lock, Verdict
-from .engine.server import LockBackend, LockServer
-from .exceptions import LockWaitTimeout
 from .headers import EXPIRED
 
 

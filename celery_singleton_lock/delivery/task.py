@@ -34,16 +34,16 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import task_postrun
 from celery.states import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS
 
+from ..engine import reentry
+from ..engine.lock import Done, Holder, Lock
+from ..engine.server import LockBackend
+from ..exceptions import LockBackendUnavailable, LockError
+from ..signals import lock_acquired, lock_lost
+from ..watchdog.process import get_watchdog
 from . import arrival, coalescing, config, handoff, identity, keys, options, policies, publishing, releasing
 from .decide import Action, Delivery, decide
-from .engine import reentry
-from .engine.lock import Done, Holder, Lock
-from .engine.server import LockBackend
-from .exceptions import LockBackendUnavailable, LockError
 from .headers import ENTRY, MARKED, REDELIVERED, TOKEN
 from .headers import PREFIX as HEADER_PREFIX
-from .signals import lock_acquired, lock_lost
-from .watchdog.process import get_watchdog
 
 logger = logging.getLogger("celery_singleton_lock")
 
