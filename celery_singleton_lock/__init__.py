@@ -9,7 +9,6 @@ The engine underneath (:class:`LockServer`, :class:`Lock`) and the watchdog
 work without Celery too; see :func:`held`.
 """
 
-from .delivery.parked import WAITING
 from .delivery.task import LockedTask
 from .engine.lock import Holder, Lock, Release, Released
 from .engine.server import LockServer
@@ -26,6 +25,7 @@ from .exceptions import (
     SelfDeadlock,
 )
 from .ops import control as _control  # noqa: F401  (registers the `celery inspect locks` command)
+from .results import WAITING, DuplicateSkipped
 from .signals import duplicate_coalesced, duplicate_skipped, lock_acquired, lock_lost, lock_released, publish_joined
 from .topologies.plain import held
 from .watchdog.process import get_watchdog
@@ -38,6 +38,7 @@ __all__ = [
     "LockLost",
     "DuplicateTask",
     "AlreadyQueued",
+    "DuplicateSkipped",
     "LockContended",
     "LockError",
     "LockKeyError",

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 from celery.exceptions import TaskRevokedError
 
+from .exceptions import LockError
+
 WAITING = "WAITING"
 """The result state of a task parked in a key's line (not ready; it becomes the task's own end state
 once its turn came and it ran)."""
 
 
-class DuplicateSkipped(TaskRevokedError):
+class DuplicateSkipped(TaskRevokedError, LockError):
     """A duplicate skipped (``on_duplicate="skip"``): its result is REVOKED, and ``result.get()`` raises
     this, naming the ``key`` and the task that held it (``holder_task_id``). A subclass of Celery's
-    ``TaskRevokedError``, so code that catches that keeps working."""
+    ``TaskRevokedError`` (code that catches that keeps working), and a :class:`LockError`."""
 
     def __init__(self, key: str, holder_task_id: str | None) -> None:
         super().__init__(key, holder_task_id)

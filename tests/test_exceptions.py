@@ -16,6 +16,7 @@ from _task_support import (
 from conftest import make_app
 
 from celery_singleton_lock import (
+    DuplicateSkipped,
     DuplicateTask,
     LockBackendUnavailable,
     LockContended,
@@ -37,6 +38,8 @@ EXCEPTIONS = [
     (LockBackendUnavailable("redis://:***@127.0.0.1:1/2", "Connection refused"),
      {"url": "redis://:***@127.0.0.1:1/2", "reason": "Connection refused"}),
     (LockKeyError("cannot derive a lock key from argument k of type builtins.complex: (1+2j)."), {}),
+    (DuplicateSkipped("singleton_lock:t:{ab}", "holder-id"),
+     {"key": "singleton_lock:t:{ab}", "holder_task_id": "holder-id"}),
 ]
 IDS = [type(e).__name__ + str(i) for i, (e, _) in enumerate(EXCEPTIONS)]
 

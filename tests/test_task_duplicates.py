@@ -30,7 +30,7 @@ from _task_support import (
 from celery.exceptions import TaskRevokedError
 from conftest import make_app
 
-from celery_singleton_lock import DuplicateTask, LockContended, LockWaitTimeout
+from celery_singleton_lock import DuplicateSkipped, DuplicateTask, LockContended, LockWaitTimeout
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.testing.servers import wait_until
 
@@ -133,6 +133,9 @@ def test_skip_is_revoked_at_once_and_never_runs(env, rec):
     assert not holder.ready()  # answered while the holder still runs: no waiting on it
     assert dup.state == "REVOKED"
     assert key in str(info.value) and holder.id in str(info.value), str(info.value)
+    # the holder, named in a structured way too (the result backend rebuilds the error by its class)
+    assert isinstance(info.value, DuplicateSkipped), type(info.value)
+    assert info.value.holder_task_id == holder.id and info.value.key == key
     [event] = rec.wait("duplicate", dup.id)
     assert event.key == key and event.data == {"holder": holder.id, "policy": "skip"}
     env.gates.open(k)
@@ -333,6 +336,7 @@ def test_eager_skip_ends_as_a_worker_skip(app, redis_server, store):
         with pytest.raises(TaskRevokedError) as info:
             result.get()
         assert key in str(info.value) and "the-holder" in str(info.value), str(info.value)
+        assert isinstance(info.value, DuplicateSkipped) and info.value.holder_task_id == "the-holder"
         stored = app.AsyncResult(result.id, backend=app.backend).state
         assert stored == ("REVOKED" if store else "PENDING")
         app.conf.task_always_eager = True

@@ -13,15 +13,12 @@ from celery.exceptions import Ignore
 from ..engine import line as queue
 from ..engine.server import LockBackend
 from ..exceptions import LockWaitTimeout
+from ..results import WAITING
 from ..signals import duplicate_skipped
 from . import config, handoff
 from .compat import get_actual_ignore_result
 
 logger = logging.getLogger("celery_singleton_lock")
-
-WAITING = "WAITING"
-"""The result state of a task parked in a key's line (not ready; it becomes the task's own
-end state once its turn came and it ran)."""
 
 
 def wait_left(request: Any, settings: config.LockSettings, server: LockBackend, key: str, entry: str | None) -> float:

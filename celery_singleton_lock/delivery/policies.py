@@ -14,7 +14,7 @@ import time
 from typing import Any, NoReturn
 
 from celery import states
-from celery.exceptions import Ignore, Retry, TaskRevokedError
+from celery.exceptions import Ignore, Retry
 
 from ..engine import line as queue
 from ..engine import sweeper as sweeping
@@ -28,12 +28,12 @@ from ..exceptions import (
     LockError,
     SelfDeadlock,
 )
+from ..results import WAITING, DuplicateSkipped
 from ..signals import duplicate_coalesced, duplicate_skipped
 from . import config, handoff, parked
 from .compat import eager_result, get_actual_ignore_result
 from .decide import Action
 from .headers import BACKOFF, ENTRY, MARKED, PARKED_AT, REDELIVERED, TOKEN, UNREACHABLE
-from .parked import WAITING
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -178,16 +178,23 @@ def refuse(task: Any, action: Action, request: Any, settings: config.LockSetting
         raise DuplicateTask(key, holder_id)
     # skip: a terminal state at once, so result.get() does not hang in PENDING; REVOKED in a worker
     # and in eager mode alike (eager_skip), stored wherever eager results are stored
-    reason = f"duplicate: lock {key} is held by task {holder_id}"
+    skipped = DuplicateSkipped(key, holder_id)
     stored = not request.is_eager or task.app.conf.task_store_eager_result
     if stored and not get_actual_ignore_result(task, request):
-        task.backend.mark_as_revoked(request.id, reason, request=request)
-    raise Skipped(reason)
+        # as the backend's mark_as_revoked, with the error that names the holder
+        task.backend.store_result(request.id, skipped, states.REVOKED, traceback=None, request=request)
+        if request.chord:
+            task.backend.on_chord_part_return(request, states.REVOKED, skipped)
+    raise Skipped(skipped)
 
 
 class Skipped(Ignore):
     """A duplicate skipped: Celery's Ignore (the worker stores nothing more, the revoked state stands),
     told apart from other Ignores so that an eager run can end REVOKED too (:func:`eager_skip`)."""
+
+    def __init__(self, skipped: DuplicateSkipped) -> None:
+        super().__init__(str(skipped))
+        self.skipped = skipped
 
 
 def eager_skip(result: Any) -> Any:
@@ -195,7 +202,7 @@ def eager_skip(result: Any) -> Any:
     tracer would say IGNORED, whose ``get()`` returns the Ignore as if it were the task's value, so a
     test in eager mode would check a state production never shows, and an eager chain would run on)."""
     if result.state == states.IGNORED and isinstance(result.result, Skipped):
-        return eager_result(result.id, TaskRevokedError(str(result.result)), states.REVOKED, result.name)
+        return eager_result(result.id, result.result.skipped, states.REVOKED, result.name)
     return result
 
 
