@@ -4,6 +4,7 @@ with back-off (RETRY) and, once lock_max_retries is spent, FAILS with LockBacken
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -62,6 +63,39 @@ def test_worker_retries_then_fails_with_lock_backend_unavailable(redis_server, r
     assert runs.all == []  # never ran unlocked
     assert [tid for tid, _ in retries] == [result.id] * 2  # lock_max_retries=2 re-queues, then the failure
     assert all(isinstance(exc, LockBackendUnavailable) for _, exc in retries)
+
+
+def test_an_eager_run_gives_up_after_the_eager_timeout_naming_the_url(redis_server):
+    """An eager run waits in place for an unreachable lock Redis, but not through the whole re-send
+    budget (50 tries with back-off: minutes, a test that seems to hang): after singleton_lock_eager_timeout
+    it fails with LockBackendUnavailable naming the URL and the setting. A bad value is refused by name."""
+    app, secret = unreachable_app(redis_server)
+    app.conf.singleton_lock_max_retries = 50
+    app.conf.singleton_lock_eager_timeout = 1.0
+    runs = Runs()
+
+    @locked(app)
+    def guarded(self, x):
+        runs.begin(str(x), self.request.id)
+        return x
+
+    started = time.monotonic()
+    result = guarded.apply((1,))
+    took = time.monotonic() - started
+    assert result.state == "FAILURE" and isinstance(result.result, LockBackendUnavailable), result.result
+    message = str(result.result)
+    assert "127.0.0.1:" in message and "singleton_lock_eager_timeout=1s" in message and secret not in message
+    assert runs.all == []
+    # the budget is 1 s; a connect refused at once on loopback; a generous tolerance for a busy host
+    assert took < 1.0 + 10.0, took
+    app.conf.singleton_lock_eager_timeout = "soon"
+
+    @locked(app, name=f"bad-timeout-{uuid.uuid4().hex[:6]}")  # (a task's settings are resolved once)
+    def later(self, x):
+        return x
+
+    with pytest.raises(ValueError, match="singleton_lock_eager_timeout.*'soon'"):
+        later.apply((2,)).get()
 
 
 def test_eager_run_retries_in_place_then_fails(redis_server):

@@ -60,6 +60,10 @@ MEANINGS: dict[str, tuple[str, str]] = {
         "(eight pool processes on two cores) with a Redis 230 µs away the two tie, in throughput and in CPU "
         "per task (the benchmarks' spin A/B)",
     ),
+    "singleton_lock_eager_timeout": ("`5.0` s", "how long an eager run (`apply()`, `task_always_eager`) waits in "
+                                                "place for an unreachable lock Redis before it fails with "
+                                                "`LockBackendUnavailable` naming the URL (a worker re-sends the "
+                                                "task instead, `lock_max_retries` times)"),
     "singleton_lock_turn_timeout": ("`300.0` s", "how long the key stays reserved for a waiter whose turn was "
                                                  "sent, until its message arrives"),
     "singleton_lock_redelivery_window": ("the broker's `visibility_timeout`, else `3600.0` s",

@@ -50,6 +50,8 @@ OPTIONS: dict[str, tuple[str, Any]] = {
     "lock_wait_in_slot": ("singleton_lock_wait_in_slot", 0.0),
 }
 DEFAULT_REDELIVERY_WINDOW = 3600.0
+DEFAULT_EAGER_TIMEOUT = 5.0
+"""Seconds an eager run tries to reach an unreachable lock Redis before it fails."""
 """Seconds a success is remembered for acks_late tasks, when the broker has no visibility timeout."""
 
 # app setting -> the process watchdog's option
@@ -66,7 +68,7 @@ SETTINGS: frozenset[str] = frozenset({
     "singleton_lock_min_replicas", "singleton_lock_replica_timeout", "singleton_lock_release_timeout",
     "singleton_lock_turn_timeout", "singleton_lock_redelivery_window",
     "singleton_lock_beat_key", "singleton_lock_beat_poll", "singleton_lock_beat_ttl",
-    "singleton_lock_spin",
+    "singleton_lock_spin", "singleton_lock_eager_timeout",
 })
 """Every app setting read anywhere (options.py warns at worker start about any other
 ``singleton_lock_*``; tests/test_options.py checks this list against the code)."""
@@ -109,6 +111,7 @@ class LockSettings:
     publish_ttl: float = 600.0
     """Seconds a publish mark lives at most: how long a message lost in the broker blocks publishes."""
     wait_in_slot: float = 0.0
+    eager_timeout: float = DEFAULT_EAGER_TIMEOUT
     """Seconds a "retry" duplicate waits for the hand-off in its worker slot before it parks (0: parks at once)."""
 
 
@@ -249,6 +252,7 @@ def resolve(task: Any) -> LockSettings:
         publish=values["lock_publish"],
         publish_ttl=values["lock_publish_ttl"],
         wait_in_slot=values["lock_wait_in_slot"],
+        eager_timeout=eager_timeout(conf),
     )
 
 
@@ -286,6 +290,18 @@ def watchdog_options(conf: Any) -> dict[str, Any]:
             raise ValueError(f"setting {setting} must be a number of seconds > 0 (and < 3600), got {value!r}")
         options[option] = value
     return options
+
+
+def eager_timeout(conf: Any) -> float:
+    """``singleton_lock_eager_timeout``: how long an eager run (``apply()``, ``task_always_eager``) waits
+    in place for an unreachable lock Redis, in seconds (a worker re-sends the task instead)."""
+    value = conf.get("singleton_lock_eager_timeout")
+    if value is None:
+        return DEFAULT_EAGER_TIMEOUT
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 3600:
+        raise ValueError(f"setting singleton_lock_eager_timeout must be a number of seconds >= 0 (and < 3600), "
+                         f"got {value!r}")
+    return float(value)
 
 
 def redelivery_window(conf: Any) -> float:

@@ -241,6 +241,8 @@ def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
     delay = _delay(settings, attempt)
     if request.is_eager:
         setattr(request, counter, attempt + 1)
+        if counter == UNREACHABLE:
+            _eager_budget(settings, request, delay, exc)
         time.sleep(delay)
         return
     kept = (UNREACHABLE, BACKOFF, TOKEN, REDELIVERED, MARKED)
@@ -257,6 +259,19 @@ def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
     sig.options["headers"] = {**(sig.options.get("headers") or {}), **headers}
     sig.apply_async()
     raise Retry(reason, exc=exc, when=delay, sig=sig)
+
+
+def _eager_budget(settings: config.LockSettings, request: Any, delay: float, exc: Exception) -> None:
+    """An eager run waits in place for an unreachable lock Redis, but only ``singleton_lock_eager_timeout``
+    seconds in all (a test or a script must not seem to hang): then it fails, naming the URL."""
+    budget = settings.eager_timeout
+    since = request.__dict__.setdefault("_singleton_lock_unreachable_since", time.monotonic())
+    if time.monotonic() + delay - since <= budget:
+        return
+    if isinstance(exc, LockBackendUnavailable):
+        raise LockBackendUnavailable(exc.url, f"{exc.reason}; an eager run gives up after "
+                                              f"singleton_lock_eager_timeout={budget:g}s") from exc
+    raise exc
 
 
 def _count(request: Any, header: str) -> int:
