@@ -5,7 +5,7 @@ calls these around the acquire.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from ..engine import line as queue
 from ..engine.lock import Holder, Lock, Verdict
@@ -42,8 +42,8 @@ def drop_if_ran(task: Any, request: Any, settings: config.LockSettings, key: str
 def wait_here(server: LockBackend, key: str, settings: config.LockSettings, task_id: str) -> Lock:
     """Eager, behind a holder of this process: wait in the line in place; the lock, or
     :class:`LockWaitTimeout` after ``lock_max_wait``."""
-    assert isinstance(server, LockServer)  # decide() waits in a line only where there is one
-    got = queue.wait_turn(server, key, settings.ttl, owner_id=task_id, wait=settings.max_wait)
+    # decide() waits here only where the server can block a waiter in place (supports_slot_wait)
+    got = queue.wait_turn(cast(LockServer, server), key, settings.ttl, owner_id=task_id, wait=settings.max_wait)
     if isinstance(got, Lock):
         return got
     raise LockWaitTimeout(key, settings.max_wait)

@@ -37,7 +37,6 @@ from celery.states import FAILURE, REVOKED, SUCCESS
 from kombu.serialization import loads
 
 from ..engine import dedupe, layout
-from ..engine.server import LockServer
 from ..exceptions import LockError
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -49,7 +48,7 @@ MERGED = "_singleton_lock_merged"
 def take(server: Any, request: Any, key: str) -> list[dict[str, Any]]:
     """The calls merged into this waiter (a copy whose turn came), remembered on the request until
     it ends; the latest is last."""
-    if not isinstance(server, LockServer):
+    if not server.supports_merge:
         return []
     calls = [_unpack(m) for m in dedupe.merged_calls(server, key, request.id)]
     if calls:
@@ -101,7 +100,7 @@ def settle(task: Any, request: Any, state: str | None, value: Any = None, exc: B
 def fail_all(task: Any, server: Any, key: str, owner: str, exc: BaseException) -> None:
     """A waiter whose run never ended well (it waited too long, or its process was lost) fails the
     calls merged into it the same way."""
-    if not isinstance(server, LockServer):
+    if not server.supports_merge:
         return
     calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
     for call in calls:
@@ -112,7 +111,7 @@ def fail_all(task: Any, server: Any, key: str, owner: str, exc: BaseException) -
 
 def send_again(app: Any, server: Any, key: str, owner: str) -> int:
     """A waiter left its line without running (revoked): the calls merged into it go again, as they were."""
-    if not isinstance(server, LockServer):
+    if not server.supports_merge:
         return 0
     calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
     if calls:

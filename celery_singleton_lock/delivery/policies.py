@@ -11,7 +11,7 @@ import logging
 import random
 import secrets
 import time
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from celery import states
 from celery.exceptions import Ignore, Retry
@@ -43,7 +43,7 @@ def has_line(server: LockBackend, request: Any) -> bool:
     """Whether this delivery can wait in ``server``'s line: wherever the server keeps one, except an
     eager call on a backend with lines of its own (etcd), which has no way to block in one: it
     backs off in place instead, as on a quorum."""
-    return server.supports_line and (isinstance(server, LockServer) or not request.is_eager)
+    return server.supports_line and (server.supports_slot_wait or not request.is_eager)
 
 
 def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settings: config.LockSettings,
@@ -61,7 +61,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     # waits in its worker slot first (lock_wait_in_slot)
     ahead = action is Action.PARK_FIRST and (request.headers or {}).get(ENTRY) == entry
     block = settings.wait_in_slot if (action is Action.PARK or ahead) and settings.on_duplicate == "retry" else 0.0
-    if not isinstance(server, LockServer):  # waiting in a worker slot is one Redis's (BLPOP): etcd parks at once
+    if not server.supports_slot_wait:  # waiting in a worker slot is one Redis's (BLPOP): etcd parks at once
         block = 0.0
     parked_as = queue.park(
         server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
@@ -88,8 +88,8 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
             logger.warning("lock %s: could not tell the sweepers about its line: %s", key, exc)
     sweeping.get_sweeper().remember(server, key, entry, request.id, settings.ttl, message)
     sweeping.get_sweeper().watch(server, settings.index)
-    if block and not already and isinstance(server, LockServer):
-        lock = _in_slot(task, request, args, kwargs, settings, server, key, entry)
+    if block and not already:
+        lock = _in_slot(task, request, args, kwargs, settings, cast(LockServer, server), key, entry)
         if lock is not None:
             return lock
     parked.ends_waiting(task, request, key, parked_as.place, holder_id, entry, same, already)

@@ -53,7 +53,7 @@ def publish(task: Any, args: Any, kwargs: Any, options: dict[str, Any], send: An
     has a call: then that call's AsyncResult ("join") or :class:`AlreadyQueued` ("raise")."""
     settings = task.lock_settings()
     server = task.lock_server()
-    if not isinstance(server, LockServer):
+    if not server.supports_publish:
         raise LockError(f"task {task.name!r}: lock_publish={settings.publish!r} needs one Redis, Sentinel or "
                         f"Cluster as its lock server; {type(server).__name__} keeps no publish marks")
     key = task.lock_key_for(args, kwargs)
@@ -82,14 +82,14 @@ def publish(task: Any, args: Any, kwargs: Any, options: dict[str, Any], send: An
 
 def started(task: Any, request: Any, key: str, server: Any) -> None:
     """The delivery of a marked call has taken the lock, parked or been refused: its mark goes."""
-    if (request.headers or {}).get(MARKED) and isinstance(server, LockServer):
+    if (request.headers or {}).get(MARKED) and server.supports_publish:
         _forget(server, key, request.id)
 
 
 def queued_again(task: Any, request: Any, key: str, server: Any) -> None:
     """A marked call re-sent with back-off is queued again: marked again (unless another call is), so
     a publish meanwhile joins it rather than making a second call."""
-    if not (request.headers or {}).get(MARKED) or not isinstance(server, LockServer):
+    if not (request.headers or {}).get(MARKED) or not server.supports_publish:
         return
     try:
         dedupe.remark(server, key, request.id, ms(task.lock_settings().publish_ttl))
@@ -117,5 +117,5 @@ def _revoked_before_start(sender: Any = None, request: Any = None, **_: Any) -> 
         server = sender.lock_server()
     except Exception:  # bad arguments: its key was never marked
         return
-    if isinstance(server, LockServer):
+    if server.supports_publish:
         _forget(server, key, request.id)

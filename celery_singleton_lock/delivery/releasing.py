@@ -8,7 +8,7 @@ refused.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from celery import Task
 from celery.states import FAILURE, SUCCESS
@@ -17,7 +17,7 @@ from kombu.serialization import dumps, loads
 from ..engine import layout
 from ..engine import line as queue
 from ..engine.lock import Lock, Release
-from ..engine.server import LockServer
+from ..engine.server import LockBackend
 from ..exceptions import LockBackendRefused, LockBackendUnavailable, LockError
 from ..signals import lock_released
 from . import config
@@ -79,8 +79,8 @@ def at_end(task: Any, request: Any, lock: Lock, state: str | None, value: Any) -
 def after_cooldown(lock: Lock, settings: config.LockSettings) -> None:
     """The key was kept for a cooldown: have the sweepers look at it, so whoever waits in its line is
     handed the key when the cooldown runs out (the release could not hand it on)."""
-    server = lock.server
-    if not isinstance(server, LockServer):
+    server = cast(LockBackend, lock.server)  # (a task's lock: its server is a whole backend)
+    if not server.supports_line:
         return  # a quorum keeps no line
     try:
         queue.announce(server, settings.index, lock.key)

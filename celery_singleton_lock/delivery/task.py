@@ -181,7 +181,7 @@ class LockedTask(Task):
         server = self.__dict__.get("_singleton_lock_server")
         if server is None:
             server = config.server_for(self.lock_settings())
-            if self.lock_settings().cooldown and not getattr(server, "supports_cooldown", True):
+            if self.lock_settings().cooldown and not server.supports_cooldown:
                 raise ValueError(f"task {self.name!r}: lock_cooldown is not supported by {type(server).__name__}")
             if server.send_handoff is None:
                 server.send_handoff = handoff.SEND

@@ -15,7 +15,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from .server import LockServer
+from .server import LockBackend
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -23,7 +23,7 @@ _checked: set[str] = set()
 _guard = threading.Lock()
 
 
-def check_once(server: LockServer) -> bool | None:
+def check_once(server: LockBackend) -> bool | None:
     """Warn if ``server`` keeps no data across a restart; True persistent, False not, None unknown."""
     with _guard:
         if server.url in _checked:

@@ -58,7 +58,20 @@ class LockBackend(Backend, Protocol):
 
     client: Any
     """A plain client for reads that take no lock (operators, beat's run record): a quorum's first member's."""
+    # What the backend can do: the Celery side asks these, never the backend's class.
     supports_line: bool
+    """Keys can have a waiting line (a quorum of independent masters cannot order one)."""
+    supports_slot_wait: bool
+    """A waiter can block on its wake-up list (one Redis's BLPOP): ``lock_wait_in_slot``, and an eager
+    run waiting in line in place."""
+    supports_merge: bool
+    """Calls can merge into a waiter (``on_duplicate="coalesce"``; elsewhere each call parks)."""
+    supports_publish: bool
+    """Publish marks (``lock_publish``)."""
+    supports_cooldown: bool
+    """The key can stay taken after a release (``lock_cooldown``)."""
+    may_lose_data: bool
+    """A restart without persistence can empty it (its persistence is checked at worker start)."""
     send_handoff: HandoffSender | None
     turn_timeout: float
     min_replicas: int
@@ -107,8 +120,9 @@ class LockServer(ScriptClient):
     subclasses in :mod:`celery_singleton_lock.topologies.servers`.
     """
 
-    supports_line = True
-    """Whether keys on this server can have a waiting line (a quorum of masters cannot order one)."""
+    supports_line = supports_slot_wait = supports_merge = supports_publish = supports_cooldown = True
+    """What it can do (see :class:`LockBackend`): everything, on one Redis (and Sentinel and Cluster)."""
+    may_lose_data = True
 
     plain_set = True
     """A fresh acquire is a plain SET NX GET (no script: :mod:`.fresh`); turned off for good on a

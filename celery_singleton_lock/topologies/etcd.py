@@ -64,7 +64,8 @@ class EtcdLockServer:
     module doc). Create one per URL and process (``servers.shared``): it holds the sessions."""
 
     supports_line = True
-    supports_cooldown = False
+    supports_slot_wait = supports_merge = supports_publish = supports_cooldown = False
+    may_lose_data = False  # (consensus: a member's restart loses nothing the cluster acknowledged)
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport

@@ -92,7 +92,8 @@ class QuorumLockServer:
     Redis to run a script on, so no waiting line): every operation goes to the members.
     """
 
-    supports_line = False
+    supports_line = supports_slot_wait = supports_merge = supports_publish = False
+    supports_cooldown = may_lose_data = True
 
     def __init__(self, members: Sequence[LockServer]) -> None:
         self.send_handoff: HandoffSender | None = None  # nothing is handed on: no line

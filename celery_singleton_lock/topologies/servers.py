@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..engine.addresses import redact_url
@@ -69,26 +70,34 @@ def from_settings(
         raise ValueError(f"singleton_lock_min_replicas must be an int >= 0, got {min_replicas!r}")
     replica_timeout = check_ttl(replica_timeout, "singleton_lock_replica_timeout")
     kind = topology(url)
-    if kind == "etcd":  # consensus: every write is already a majority's (min_replicas does not apply)
-        from .etcd import EtcdLockServer
-
-        return EtcdLockServer.from_url(url, **(redis_options or {}))
-    url = url if kind == "quorum" else redis_url_for(url)
-    options = dict(redis_options or {})
-    server: LockBackend
-    if kind == "sentinel":
-        server = SentinelLockServer.from_url(url, transport_options or {}, **options)
-    elif kind == "cluster":
-        server = ClusterLockServer.from_url(url, **options)
-    elif kind == "quorum":
-        from .quorum import QuorumLockServer
-
-        server = QuorumLockServer.from_urls(quorum_members(url) or [], **options)
-    else:
-        server = LockServer.from_url(url, **options)
-    server.min_replicas = min_replicas
-    server.replica_timeout = replica_timeout
+    server = BACKENDS[kind](url, transport_options or {}, dict(redis_options or {}))
+    if kind != "etcd":  # (consensus: every etcd write is already a majority's; min_replicas does not apply)
+        server.min_replicas = min_replicas
+        server.replica_timeout = replica_timeout
     return server
+
+
+def _etcd(url: str, _transport_options: dict[str, Any], options: dict[str, Any]) -> LockBackend:
+    from .etcd import EtcdLockServer  # (only with the [etcd] extra: imported when named)
+
+    return EtcdLockServer.from_url(url, **options)
+
+
+def _quorum(url: str, _transport_options: dict[str, Any], options: dict[str, Any]) -> LockBackend:
+    from .quorum import QuorumLockServer
+
+    return QuorumLockServer.from_urls(quorum_members(url) or [], **options)
+
+
+BACKENDS: dict[str, Callable[[str, dict[str, Any], dict[str, Any]], LockBackend]] = {
+    "redis": lambda url, _t, options: LockServer.from_url(redis_url_for(url), **options),
+    "sentinel": lambda url, t, options: SentinelLockServer.from_url(redis_url_for(url), t, **options),
+    "cluster": lambda url, _t, options: ClusterLockServer.from_url(redis_url_for(url), **options),
+    "quorum": _quorum,
+    "etcd": _etcd,
+}
+"""Each topology (:func:`.urls.topology` names it from the URL's scheme) -> how to build its backend from
+(url, transport options, client options). A new backend is its module and one line here."""
 
 
 # -- one LockServer per connection and process ---------------------------------------------------

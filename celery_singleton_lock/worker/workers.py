@@ -13,7 +13,7 @@ from celery.signals import worker_process_init, worker_process_shutdown, worker_
 
 from ..engine import exchange, persistence
 from ..engine import sweeper as sweeping
-from ..engine.server import LockBackend, LockServer
+from ..engine.server import LockBackend
 from ..exceptions import LockKeyError
 from ..watchdog.process import shutdown_watchdog
 
@@ -38,7 +38,7 @@ def watch_app(app: Any) -> None:
             continue
         if server.supports_line and (server, settings.index) not in seen:  # a line to sweep
             seen.add((server, settings.index))
-            if isinstance(server, LockServer):  # (etcd's data is not lost to a restart)
+            if server.may_lose_data:  # (etcd's data is not lost to a restart)
                 persistence.check_once(server)
             sweeping.get_sweeper().watch(server, settings.index)
 
