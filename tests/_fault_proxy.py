@@ -10,7 +10,11 @@
 - swallow (``swallowing.set()``): while set, every reply is dropped and the connection kept open (a
   reply lost to a client that waits for it until its timeout);
 - blackout (``blackout(seconds)``): every open connection is closed, and new ones are refused
-  (accepted and closed at once) for that many seconds.
+  (accepted and closed at once) for that many seconds;
+- lag (``lag(pattern, seconds)``): on every connection that sends a request containing ``pattern``
+  (upper case; ``b""``: every connection), each reply from then on reaches the client ``seconds``
+  late, in order, without holding up the ones behind it: a slow broker as its consumers see it
+  (``b"BRPOP"``: kombu fetches on a connection of its own), or a Redis further away.
 
 Everything else goes through as it is. ``close()`` stops it (its own threads and sockets only).
 """
@@ -18,6 +22,7 @@ Everything else goes through as it is. ``close()`` stops it (its own threads and
 from __future__ import annotations
 
 import hashlib
+import queue
 import socket
 import threading
 import time
@@ -38,6 +43,9 @@ class FaultProxy:
         self._refused: dict[bytes, int] = {}
         self._delayed: dict[bytes, tuple[int, float]] = {}
         self._dark_until = 0.0
+        self._lag: tuple[bytes, float] | None = None
+        self.lagged = 0
+        """Connections lagging (``lag``), counted."""
         self.swallowing = threading.Event()
         """Set: every reply is dropped, the connection kept open."""
         self.dropped: list[bytes] = []
@@ -62,6 +70,11 @@ class FaultProxy:
         """Hold the reply of the next ``count`` requests that contain ``pattern`` for ``seconds``."""
         with self._lock:
             self._delayed[pattern] = (count, seconds)
+
+    def lag(self, pattern: bytes, seconds: float) -> None:
+        """Delay every reply ``seconds`` on each connection that sends ``pattern`` (see the module doc)."""
+        with self._lock:
+            self._lag = (pattern.upper(), seconds)
 
     def left(self, pattern: bytes) -> int:
         with self._lock:
@@ -95,16 +108,21 @@ class FaultProxy:
                 self._sockets += [client, server]
             lose = threading.Event()  # set: the next reply on this connection is lost, and it closes
             late: list[float] = []  # the seconds the next reply on this connection is held
-            threading.Thread(target=self._up, args=(client, server, lose, late), daemon=True).start()
-            threading.Thread(target=self._down, args=(server, client, lose, late), daemon=True).start()
+            lagging: list[float] = []  # set once: every reply on this connection is that many seconds late
+            threading.Thread(target=self._up, args=(client, server, lose, late, lagging), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, lose, late, lagging), daemon=True).start()
 
-    def _up(self, src: socket.socket, dst: socket.socket, lose: threading.Event, late: list[float]) -> None:
+    def _up(self, src: socket.socket, dst: socket.socket, lose: threading.Event, late: list[float],
+            lagging: list[float]) -> None:
         while True:
             try:
                 data = src.recv(65536)
                 if not data:
                     break
                 with self._lock:
+                    if self._lag is not None and not lagging and self._lag[0] in data.upper():
+                        lagging.append(self._lag[1])
+                        self.lagged += 1
                     refused = next((p for p, n in self._refused.items() if n > 0 and p in data), None)
                     if refused is not None:
                         self._refused[refused] -= 1
@@ -126,7 +144,9 @@ class FaultProxy:
         _close(src)
         _close(dst)
 
-    def _down(self, src: socket.socket, dst: socket.socket, lose: threading.Event, late: list[float]) -> None:
+    def _down(self, src: socket.socket, dst: socket.socket, lose: threading.Event, late: list[float],
+              lagging: list[float]) -> None:
+        later: _Later | None = None
         while True:
             try:
                 data = src.recv(65536)
@@ -138,12 +158,19 @@ class FaultProxy:
                 time.sleep(late.pop(0))  # (the fault itself: this reply arrives that much later)
             if self.swallowing.is_set():
                 continue
+            if lagging:
+                later = later or _Later(dst, lagging[0])
+                later.put(data)
+                continue
             try:
                 dst.sendall(data)
             except OSError:
                 break
         _close(src)
-        _close(dst)
+        if later is not None:
+            later.close()  # (it closes dst once what it holds is sent)
+        else:
+            _close(dst)
 
     def close(self) -> None:
         _close(self._listener)
@@ -161,3 +188,29 @@ def _close(s: socket.socket) -> None:
         s.close()
     except OSError:
         pass
+
+
+class _Later:
+    """Sends what it is given to ``dst``, each ``seconds`` after it came, in order (one thread)."""
+
+    def __init__(self, dst: socket.socket, seconds: float) -> None:
+        self.dst, self.seconds = dst, seconds
+        self._queue: queue.Queue[tuple[float, bytes] | None] = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="fault-proxy-later").start()
+
+    def put(self, data: bytes) -> None:
+        self._queue.put((time.monotonic() + self.seconds, data))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            due, data = item
+            if (wait := due - time.monotonic()) > 0:
+                time.sleep(wait)
+            try:
+                self.dst.sendall(data)
+            except OSError:
+                break
+        _close(self.dst)

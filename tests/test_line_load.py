@@ -26,7 +26,7 @@ import time
 import uuid
 
 import pytest
-from _delay_proxy import DelayProxy
+from _fault_proxy import FaultProxy
 from _task_support import (
     ROOT,
     TIMEOUT,
@@ -289,7 +289,8 @@ def test_slow_broker_turns_keep_their_reservation_no_livelock(redis_server, tmp_
     in park order, with ONE turn each. Before: the reservation passed on at the TTL, the late copy
     re-parked at the head with a new deadline and was handed again: waiters ran out of park order,
     with several turns each (with more waiters and a longer delay, no body ran at all)."""
-    proxy = DelayProxy(redis_server.port, BROKER_DELAY)
+    proxy = FaultProxy(redis_server.port)
+    proxy.lag(b"BRPOP", BROKER_DELAY)
     env = {"CSL_LOCK_TTL": str(SLOW_TTL), "CSL_BROKER_READ_URL": proxy.url(0), "CSL_PREFETCH": "1"}
     try:
         with start_nodes(redis_server, tmp_path_factory, "redis", env=env, count=1) as n:
@@ -313,6 +314,7 @@ def test_slow_broker_turns_keep_their_reservation_no_livelock(redis_server, tmp_
             for d in dups:
                 turns = [p for p in publishes(wa, d.id) if p.get("singleton_lock_entry")]
                 assert len(turns) == 1, f"ONE turn for {d.id}, got {publishes(wa, d.id)}"
+            assert proxy.lagged >= 1, "no consuming connection was slowed: the test did not run its fault"
     finally:
         proxy.close()
 
