@@ -159,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict = {"meta": meta, "params": {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()}}
     if args.backlog:
         return backlog_only(results, p, out_dir)
+    if args.hot:
+        return hot_only(results, p, out_dir)
 
     with RedisServer() as broker, RedisServer() as locks:
         meta["redis_server"] = ".".join(map(str, locks.version()))
@@ -336,6 +338,20 @@ def backlog_only(results: dict, p: dict, out_dir: Path) -> int:
     return 0
 
 
+def hot_only(results: dict, p: dict, out_dir: Path) -> int:
+    """``--hot``: only the hot keys (hand-off latency and the drains); prints them, writes out_dir/hot.json
+    (never RESULTS.md): a quick look after a change to the line, between full runs."""
+    import json
+
+    import hotkeys
+
+    started = time.time()
+    results["hot"] = hotkeys.run(out_dir, p, say)
+    (out_dir / "hot.json").write_text(json.dumps(results, indent=1, default=str))
+    say(f"done in {time.time() - started:.0f}s; raw figures in {out_dir / 'hot.json'}")
+    return 0
+
+
 def rerender(path: Path) -> int:
     import json
 
@@ -420,12 +436,15 @@ def main() -> int:
                         "(for trying things out; RESULTS.md records the overrides in the command)")
     parser.add_argument("--backlog", action="store_true", help="only the hot key under a backlog (about two "
                         "minutes with RabbitMQ; never RESULTS.md)")
+    parser.add_argument("--hot", action="store_true", help="only the hot keys (hand-off latency and the "
+                        "drains); never writes RESULTS.md")
     parser.add_argument("--rerender", metavar="RESULTS_JSON",
                         help="only write RESULTS.md and the chart again from a run's results.json "
                         "(e.g. after editing benchmarks/NOTES.md); measures nothing")
     args = parser.parse_args()
     if args.out is None:  # an official run (full, no --param) keeps its own directory
-        kind = "smoke" if args.smoke else ("custom" if args.param or args.rerender or args.backlog else "full")
+        custom = args.param or args.rerender or args.backlog or args.hot
+        kind = "smoke" if args.smoke else ("custom" if custom else "full")
         args.out = str(BENCH_DIR / "out" / kind)
     if not args.smoke and not args.no_venv and not in_venv(VENV):
         py = ensure_venv(Path(args.out))
