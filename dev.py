@@ -4,7 +4,8 @@
     python3 dev.py demo    # run the inventory demo (the main job)
     python3 dev.py demo beat   # the beat example: periodic runs never overlap
     python3 dev.py test    # ruff, mypy, lint-imports, the docs build, then the whole test suite (what CI runs)
-    python3 dev.py docs    # build the documentation site into site/ (mkdocs --strict: any warning fails)
+    python3 dev.py docs    # build the documentation site into site/ (mkdocs --strict: any warning fails;
+                           # installs the package and the "docs" group only)
     python3 dev.py docs --serve   # serve it locally (mkdocs prints the address), rebuilt on every change
     python3 dev.py bench   # run the benchmarks (not part of CI)
     python3 dev.py matrix  # the support matrix (noxfile.py): every Python, Celery, redis-py and server
@@ -55,10 +56,16 @@ def group_requirements(name: str, pyproject: Path = ROOT / "pyproject.toml") -> 
 
 
 def ensure_venv(group: str = "dev") -> None:
-    """.venv with the package (editable) and the contributors' tools: the dependency group `group`."""
+    """.venv with the package (editable) and the contributors' tools: the dependency group `group`
+    ("docs" alone for `dev.py docs`; a .venv made for "dev", which includes it, will do too)."""
     stamp = VENV / ".installed"
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + group.encode()).hexdigest()
-    if stamp.exists() and stamp.read_text() == want and PY.exists():
+
+    def stamp_of(name: str) -> str:
+        return hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + name.encode()).hexdigest()
+
+    want = stamp_of(group)
+    enough = {want, stamp_of("dev")} if group == "docs" else {want}
+    if stamp.exists() and stamp.read_text() in enough and PY.exists():
         return
     if not PY.exists():
         say(f"creating virtualenv {VENV}")
@@ -178,7 +185,7 @@ def main() -> int:
             return run([str(PY), "examples/beat/demo.py", *rest[1:]])
         return run([str(PY), "examples/inventory/demo.py", *rest])
     if cmd == "docs":
-        ensure_venv()
+        ensure_venv("docs")  # (only what the site's build needs: no test servers, no nox)
         return docs(rest)
     if cmd == "matrix":
         ensure_venv()
