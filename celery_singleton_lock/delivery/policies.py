@@ -112,7 +112,10 @@ def _in_slot(task: Any, request: Any, args: Any, kwargs: Any, settings: config.L
         # forgotten before the claim: a claim in the slot leaves no tombstone, and the sweeper must not
         # take the entry for one lost with the data (if the claim fails, its copy carries the entry)
         sweeping.get_sweeper().forget(server, key, entry)
-        return _claim(task, request, args, kwargs, settings, server, key, entry)
+        # the delivery that parked the entry first leaves no tombstone; a copy (sent ahead, or its turn)
+        # does: the process that parked the entry first remembers it, and looks for one
+        first = (request.headers or {}).get(ENTRY) != entry
+        return _claim(task, request, args, kwargs, settings, server, key, entry, slot_claim=first)
     if got is Slot.SENT:
         raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot: that copy runs it")
     if got is Slot.UNKNOWN:
@@ -123,7 +126,7 @@ def _in_slot(task: Any, request: Any, args: Any, kwargs: Any, settings: config.L
 
 
 def _claim(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockBackend,
-           key: str, entry: str) -> Lock:
+           key: str, entry: str, slot_claim: bool = False) -> Lock:
     """Take the key reserved for ``entry``, to run now.
 
     The claim takes the entry out of the line. If Redis cannot confirm it (unreachable, or fewer
@@ -134,7 +137,7 @@ def _claim(task: Any, request: Any, args: Any, kwargs: Any, settings: config.Loc
     end: the call was lost.)"""
     token = secrets.token_hex(16)
     try:
-        lock = server.acquire(key, settings.ttl, owner_id=request.id, token=token, entry=entry)
+        lock = server.acquire(key, settings.ttl, owner_id=request.id, token=token, entry=entry, slot_claim=slot_claim)
     except LockBackendUnavailable as exc:
         unreachable(task, request, args, kwargs, settings, token, exc)
         raise  # (eager: never here, it never parks)

@@ -121,7 +121,8 @@ ACQUIRE = _HAND_OFF + """
 -- ARGV[1] token, ARGV[2] metadata (JSON), ARGV[3] ttl ms, ARGV[4] owner id,
 -- ARGV[5] entry id when a waiter claims its turn ('' otherwise),
 -- ARGV[6] the token of an earlier attempt whose reply was lost ('' none),
--- ARGV[7] '1' to drop the owner if it already succeeded here (a redelivery).
+-- ARGV[7] '1' to drop the owner if it already succeeded here (a redelivery),
+-- ARGV[8] '1' when the entry's first delivery claims from its worker slot (see below).
 -- (A fresh delivery runs ACQUIRE_FRESH instead.)
 -- Returns {1, fence} taken; {0, value, pttl} held (value '' and pttl -2: free,
 -- but waiters are in line); {2, value or nil} already succeeded (value: what
@@ -175,9 +176,11 @@ elseif redis.call('EXISTS', LINE) == 1 then
 end
 if entry ~= '' then
   redis.call('LREM', LINE, 1, entry)
-  if redis.call('DEL', LOCK .. ':b:' .. entry) == 1 then
-    -- claimed in its worker slot: it runs in its first delivery, so it leaves no tombstone (a broker
-    -- redelivery of that delivery is then met as a fresh task's is: held by its own task, or free)
+  redis.call('DEL', LOCK .. ':b:' .. entry)
+  if ARGV[8] == '1' then
+    -- the entry's first delivery claims from its slot and runs there: no tombstone, so a broker
+    -- redelivery of that delivery is met as a fresh task's is (held by its own task, or free). (A copy
+    -- leaves one: the process that parked the entry first looks for it.)
     redis.call('HDEL', WAITERS, entry)
   else
     gone(entry)

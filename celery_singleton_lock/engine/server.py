@@ -79,7 +79,7 @@ class LockBackend(Backend, Protocol):
 
     def acquire(self, name: str, ttl: float, *, owner_id: str | None = None, token: str | None = None,
                 entry: str | None = None, check_done: bool = False,
-                retake: str | None = None) -> Lock | Holder | Verdict | Done: ...
+                retake: str | None = None, slot_claim: bool = False) -> Lock | Holder | Verdict | Done: ...
 
     def with_timeout(self, seconds: float) -> LockBackend: ...
 
@@ -181,7 +181,7 @@ class LockServer(ScriptClient):
 
     def acquire(self, name: str, ttl: float, *, owner_id: str | None = None, token: str | None = None,
                 entry: str | None = None, check_done: bool = False,
-                retake: str | None = None) -> Lock | Holder | Verdict | Done:
+                retake: str | None = None, slot_claim: bool = False) -> Lock | Holder | Verdict | Done:
         """Try once to take ``name``, in one round trip.
 
         Returns the :class:`Lock` when taken; the :class:`Holder` when another
@@ -192,7 +192,8 @@ class LockServer(ScriptClient):
         ``retake``: the token of an earlier attempt whose reply was lost; if that
         attempt did take the lock, it is taken back, under ``token`` (a new one):
         only one message that carries the old token can ever take it back. Without
-        ``retake``, a given ``token`` is itself taken back (the same token kept).
+        ``retake``, a given ``token`` is itself taken back (the same token kept). ``slot_claim``: the
+        entry's first delivery claims from its worker slot (it leaves no tombstone).
 
         A reply that comes later than a third of the TTL is not trusted: the
         watchdog's first renewal would already be overdue. The lock is given
@@ -216,7 +217,7 @@ class LockServer(ScriptClient):
                     scripts.ACQUIRE,
                     self.keys_for(key),
                     (token, wire.meta(owner_id), ms(ttl), owner_id or "", entry or "", take_back,
-                     "1" if check_done else ""),
+                     "1" if check_done else "", "1" if slot_claim else ""),
                     replicated=True,
                 )
         except Unreplicated as short:

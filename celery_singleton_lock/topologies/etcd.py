@@ -146,7 +146,7 @@ class EtcdLockServer:
 
     def acquire(self, name: str, ttl: float, *, owner_id: str | None = None, token: str | None = None,
                 entry: str | None = None, check_done: bool = False,
-                retake: str | None = None) -> Lock | Holder | Verdict | Done:
+                retake: str | None = None, slot_claim: bool = False) -> Lock | Holder | Verdict | Done:
         """Try once to take ``name``: one txn (plus a lease grant or keep-alive when the session is new
         or idle). A lock held under ``retake`` or under ``token`` (an earlier attempt of this very
         delivery whose reply was lost) is taken back, under ``token``, at its revision."""

@@ -187,7 +187,7 @@ class QuorumLockServer:
 
     def acquire(
         self, name: str, ttl: float, *, owner_id: str | None = None, token: str | None = None,
-        entry: str | None = None, check_done: bool = False, retake: str | None = None,
+        entry: str | None = None, check_done: bool = False, retake: str | None = None, slot_claim: bool = False,
     ) -> Lock | Holder | Verdict:
         """Take ``name`` on a majority within its validity, then write its fencing token back.
 
