@@ -1,12 +1,10 @@
 """The lock operations against one Redis server: :class:`LockServer`.
 
-It knows redis-py and nothing of Celery, so it can be used (and tested, and
-benchmarked) on its own. Every script call is ONE round trip: one EVALSHA, or
-one pipeline for a batch (a release that hands the key on then also publishes
-the waiter and confirms the hand-off: see :meth:`LockServer.dispatch`). An unreachable or stalled Redis raises
-:class:`LockBackendUnavailable` (transient: worth trying again); a refusal
-that trying again cannot fix (a wrong password, a server that is not Redis, a
-key that holds something else) raises :class:`LockBackendRefused`.
+It knows redis-py and nothing of Celery. Every script call is ONE round trip: one EVALSHA, or one
+pipeline for a batch (a release that hands the key on then publishes the waiter and confirms the
+hand-off: :meth:`LockServer.dispatch`). An unreachable or stalled Redis raises
+:class:`LockBackendUnavailable` (worth trying again); a refusal that trying again cannot fix (a wrong
+password, a server that is not Redis, a key that holds something else) :class:`LockBackendRefused`.
 """
 
 from __future__ import annotations
@@ -21,9 +19,7 @@ from typing import Any, Protocol
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import (
-    RedisError,
-)
+from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from ..exceptions import LockBackendUnavailable, LockError
@@ -58,20 +54,13 @@ class LockBackend(Backend, Protocol):
 
     client: Any
     """A plain client for reads that take no lock (operators, beat's run record): a quorum's first member's."""
-    # What the backend can do: the Celery side asks these, never the backend's class.
-    supports_line: bool
-    """Keys can have a waiting line (a quorum of independent masters cannot order one)."""
-    supports_slot_wait: bool
-    """A waiter can block on its wake-up list (one Redis's BLPOP): ``lock_wait_in_slot``, and an eager
-    run waiting in line in place."""
-    supports_merge: bool
-    """Calls can merge into a waiter (``on_duplicate="coalesce"``; elsewhere each call parks)."""
-    supports_publish: bool
-    """Publish marks (``lock_publish``)."""
-    supports_cooldown: bool
-    """The key can stay taken after a release (``lock_cooldown``)."""
-    may_lose_data: bool
-    """A restart without persistence can empty it (its persistence is checked at worker start)."""
+    # What the backend can do (the Celery side asks these, never the backend's class; see CONTRIBUTING):
+    supports_line: bool  # keys can have a waiting line (a quorum of independent masters cannot order one)
+    supports_slot_wait: bool  # a waiter can block on its wake-up list (BLPOP): lock_wait_in_slot, eager waits
+    supports_merge: bool  # calls can merge into a waiter (coalesce; elsewhere each call parks)
+    supports_publish: bool  # publish marks (lock_publish)
+    supports_cooldown: bool  # the key can stay taken after a release (lock_cooldown)
+    may_lose_data: bool  # a restart without persistence can empty it (checked at worker start)
     send_handoff: HandoffSender | None
     turn_timeout: float
     min_replicas: int

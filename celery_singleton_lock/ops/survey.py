@@ -14,11 +14,14 @@ from typing import Any
 from ..engine import layout
 from ..engine.lock import Holder
 
-_COMPANIONS = re.compile(r"^(?P<lock>.+:\{[^{}]+\}):(?:q|w|d|g|d:.*|wake:.*)$")
+# every key beside a lock (engine/layout.py): line, waiters, done records, tombstones, publish mark, slot
+# marks, wake-ups, merged calls, kept replies
+_COMPANIONS = re.compile(r"^(?P<lock>.+:\{[^{}]+\}):(?:q|w|d|g|p|d:.*|wake:.*|b:.*|m:.*|mm:.*|mo:.*|r:.*)$")
 _LOCK = re.compile(r"^(?P<task>[^{}]+):\{[^{}]+\}$")
 KINDS = {"t": "task", "s": "redelivered copy", "p": "plain code"}
 STATES = {"p": "parked", "h": "handed the key (its message not yet confirmed sent)", "c": "handed the key, sent",
-          "b": "waiting in its worker slot", "w": "woken in its worker slot (the key is reserved for it)"}
+          "b": "waiting in its worker slot", "w": "woken in its worker slot (the key is reserved for it)",
+          "n": "sent ahead of its turn (to wait for it in a worker slot)"}
 
 
 def parse_key(key: str, prefixes: Sequence[str]) -> str:
@@ -35,8 +38,8 @@ def parse_key(key: str, prefixes: Sequence[str]) -> str:
             companion = _COMPANIONS.match(key)
             if companion:
                 raise ValueError(
-                    f"{key!r} is not a lock but a key beside one (its line, waiters, tombstones, done records "
-                    f"and values or a wake-up list); the lock is {companion['lock']!r}"
+                    f"{key!r} is not a lock but a key beside one (its line, waiters, tombstones, done records, "
+                    f"publish mark, merged calls, a wake-up list or a kept reply); the lock is {companion['lock']!r}"
                 )
             raise ValueError(
                 f"{key!r} is not a lock key: a lock key is {prefix}:<task name>:{{<hash>}}, with the hash "
