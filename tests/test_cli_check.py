@@ -28,6 +28,8 @@ app.conf.singleton_lock_url = os.environ["PROJ_URL"]
 app.conf.singleton_lock_min_replicas = int(os.environ.get("PROJ_MIN_REPLICAS", "0"))
 if os.environ.get("PROJ_TYPO"):
     app.conf.singleton_lock_tll = 5
+if os.environ.get("PROJ_BAD_SETTING"):
+    app.conf.singleton_lock_eager_timeout = "soon"
 app.conf.imports = ["proj_tasks"]
 '''
 
@@ -112,3 +114,11 @@ def test_too_few_replicas_for_min_replicas_is_an_error(project, redis_server):
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
     errors = [line for line in lines_of(proc) if line.startswith("error: ")]
     assert len(errors) == 1 and "0 connected replica(s)" in errors[0], proc.stdout
+
+
+def test_a_bad_setting_is_an_error_naming_it_and_no_server_is_looked_at(project, redis_server):
+    proc = check(project, redis_server.url(2), PROJ_BAD_SETTING="1")
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    errors = [line for line in lines_of(proc) if line.startswith("error: ")]
+    assert errors and all("singleton_lock_eager_timeout" in e and "'soon'" in e for e in errors), proc.stdout
+    assert not any("keeps no data" in line for line in lines_of(proc)), "the server was looked at without settings"

@@ -16,7 +16,7 @@ from .decide import Action, Delivery
 from .headers import EXPIRED
 
 
-def first_look(settings: config.LockSettings, server: LockBackend, key: str, request: Any, task: Any) -> None:
+def first_look(task: Any, request: Any, settings: config.LockSettings, server: LockBackend, key: str) -> None:
     """Before the acquire. A turn whose wait ran out fails with :class:`LockWaitTimeout` (and the
     calls merged into it the same way)."""
     headers = request.headers or {}

@@ -207,7 +207,7 @@ class LockedTask(Task):
         request, headers = self.request, self.request.headers or {}
         key = self.__dict__["_singleton_lock_keys"](args, kwargs)  # keys.derive, the per-task part done once
         server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
-        arrival.first_look(settings, server, key, request, self)
+        arrival.first_look(self, request, settings, server, key)
         resent = bool(headers.get(REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
         redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
         entry = headers.get(ENTRY) or None

@@ -47,8 +47,12 @@ def check(ctx: click.Context) -> None:
     if "app" in root.params and root.params["app"] is None and not root.params.get("config"):
         fail("no app given: pass the one your workers run, as in `celery -A proj locks check`")
     problems = list(app_problems(ctx.obj.app))
-    if not any(level == "error" and what.startswith("the settings") for level, what in problems):
-        problems += list(server_problems(config.app_settings(ctx.obj.app)))
+    try:
+        settings = config.app_settings(ctx.obj.app)
+    except ValueError:
+        settings = None  # (app_problems reported it: without settings there is no server to look at)
+    if settings is not None:
+        problems += list(server_problems(settings))
     for level, what in problems:
         click.echo(f"{level}: {what}")
     errors = sum(level == "error" for level, _ in problems)
@@ -102,15 +106,18 @@ def server_problems(settings: config.LockSettings) -> Iterator[Problem]:
     except (ValueError, TypeError, ImportError) as exc:
         yield "error", f"cannot use the lock server URL {url}: {exc}"
         return
-    if isinstance(server, EtcdLockServer):
-        try:
-            server.holder("celery-locks-check")
-        except Exception as exc:
-            yield "error", f"the lock server {url} does not answer: {exc}"
-        return
-    nodes, _ = nodes_of(server)
-    for node in nodes:
-        yield from node_problems(node.label, node.client, settings.min_replicas)
+    try:
+        if isinstance(server, EtcdLockServer):
+            try:
+                server.holder("celery-locks-check")
+            except Exception as exc:
+                yield "error", f"the lock server {url} does not answer: {exc}"
+            return
+        nodes, _ = nodes_of(server)
+        for node in nodes:
+            yield from node_problems(node.label, node.client, settings.min_replicas)
+    finally:
+        server.close()
 
 
 def node_problems(label: str, client: Any, min_replicas: int) -> Iterator[Problem]:
@@ -135,7 +142,7 @@ def node_problems(label: str, client: Any, min_replicas: int) -> Iterator[Proble
     elif policy != "noeviction":
         yield "error", (f"{where} has maxmemory-policy {policy}: under memory pressure it may evict a held lock "
                         "(a second holder could then run); set it to noeviction")
-    if not int(info.get("aof_enabled", 0)) and not _saves(client, info):
+    if not int(info.get("aof_enabled", 0)) and not _saves(client):
         yield "warning", (f"{where} keeps no data on disk (no AOF, no RDB save points): a restart empties every "
                           "lock and line; parked calls are then sent again (at least once; exactly once with a "
                           "result backend)")
@@ -146,7 +153,7 @@ def node_problems(label: str, client: Any, min_replicas: int) -> Iterator[Proble
                             f"{min_replicas}: every acquire would fail as unreplicated")
 
 
-def _saves(client: Any, info: dict[str, Any]) -> bool:
+def _saves(client: Any) -> bool:
     """Whether RDB save points are set (INFO does not say; CONFIG may be refused: then assume so)."""
     try:
         save = client.config_get("save").get("save")
