@@ -476,3 +476,51 @@ def test_a_turns_claim_whose_reply_comes_too_late_is_given_back_and_the_call_sti
     key passes on) and the call sent again, with its entry. That copy finds its entry gone (its first
     try used it): it must not be dropped as "already ran", but wait in line again and run."""
     _turn_with_claim_faulted(env, lambda claim: env.proxy.delay(claim, 1.5, 1))  # (the lock TTL is 3 s)
+
+
+# -- 6. a slot waiter's claim faulted (woken in its slot, it claims the key reserved for it) ---------
+
+
+def _slot_with_claim_faulted(env, fault) -> list[dict]:
+    """A holder, a duplicate waiting in its worker slot behind it, and ``fault`` armed on the claim
+    (the ACQUIRE with the waiter's entry, the next ACQUIRE sent) before the holder ends: each call
+    runs once, in turn, nothing twice, and the key is not left reserved for nobody (the next call runs)."""
+    claim = sha_of(scripts.ACQUIRE)
+    k = _key()
+    holder = env.slot.delay(k, 0.6, "holder")
+    started(env, k)
+    dup = env.slot.delay(k, 0.1, "dup")
+    wait_until(lambda: in_slot(env, env.slot, k), TIMEOUT, what="the duplicate to wait in its slot")
+    fault(claim)
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+    assert env.proxy.left(claim) == 0, "the claim was not faulted: the test did not run its fault"
+    after = env.slot.delay(k, 0.1, "after")
+    assert after.get(timeout=TIMEOUT)["tag"] == "after"
+    done = once_each(env, k, [holder, dup, after], ["holder", "dup", "after"])
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    quiet_then_check(env, k, 3)
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_slot_claim_whose_reply_is_lost_still_runs_the_call(env):
+    """Redis ran the slot waiter's claim and its reply was lost; the client sent it again, and the
+    second send must answer as the first did: the waiter runs, once."""
+    _slot_with_claim_faulted(env, lambda claim: env.proxy.arm(claim, 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_slot_claim_that_meets_a_dead_connection_twice_is_sent_again_with_its_entry(env):
+    """The slot waiter's claim never reached Redis, twice (the client's own second send too): the call
+    is sent again. That re-send carried no entry: it found the key reserved for its own entry, parked
+    anew, and the key stayed reserved for nobody until the reservation ran out. The re-send now
+    carries its entry, and claims at once."""
+    done = _slot_with_claim_faulted(env, lambda claim: env.proxy.refuse(claim, 2))
+    by_tag = {r["tag"]: r for r in done}
+    late = by_tag["dup"]["start"] - by_tag["holder"]["end"]
+    # its re-send comes after at most lock_retry_backoff_max (1 s); a reservation runs out after the
+    # TTL (3 s). 1.5 s of tolerance for a loaded machine still tells the two apart.
+    assert late < 2.5, f"the waiter ran {late:.2f} s after the holder: it waited for its reservation to run out"

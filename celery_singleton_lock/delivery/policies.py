@@ -132,14 +132,13 @@ def _claim(task: Any, request: Any, args: Any, kwargs: Any, settings: config.Loc
     The claim takes the entry out of the line. If Redis cannot confirm it (unreachable, or fewer
     replicas than ``singleton_lock_min_replicas`` acknowledged it in time, and the lock was given
     back), the place is gone but the call has not run: it is sent again as when an acquire cannot
-    reach Redis, with the claim's token (its copy takes the key back if the claim did land), and waits
-    in line anew. (Ended as a slot waiter's copy instead, it would find its place gone for good and
-    end: the call was lost.)"""
+    reach Redis, with the claim's token (its copy takes the key back if the claim did land) and its
+    entry (its copy claims the key still reserved for it if it did not), as a turn's claim is."""
     token = secrets.token_hex(16)
     try:
         lock = server.acquire(key, settings.ttl, owner_id=request.id, token=token, entry=entry, slot_claim=slot_claim)
     except LockBackendUnavailable as exc:
-        unreachable(task, request, args, kwargs, settings, token, exc)
+        unreachable(task, request, args, kwargs, settings, token, exc, entry)
         raise  # (eager: never here, it never parks)
     if isinstance(lock, Lock):
         return lock
