@@ -16,7 +16,7 @@ import pytest
 from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 
 from celery_singleton_lock import held
-from celery_singleton_lock.engine.lock import Holder, Lock, Release
+from celery_singleton_lock.engine.lock import Forced, Holder, Lock, Release
 from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable, LockLost
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies.etcd import VERIFY_UP_TO, EtcdLockServer
@@ -93,7 +93,8 @@ def test_a_small_session_round_reads_its_keys_and_finds_one_deleted_from_outside
     server = EtcdLockServer.from_url(etcd_server.url())
     locks = [server.acquire(new_name(), 4) for _ in range(3)]
     [session] = server.sessions()
-    assert EtcdLockServer.from_url(etcd_server.url()).force_release(locks[1].key)[0] == 1  # an operator's release
+    operator = EtcdLockServer.from_url(etcd_server.url())
+    assert operator.force_release(locks[1].key)[0] is Forced.RELEASED  # an operator's release
     assert session.keep(locks, 5.0) == (True, [locks[1]])
     assert server.renew_many(locks) == [True, False, True]
     for lock in (locks[0], locks[2]):

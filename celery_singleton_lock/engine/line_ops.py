@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from . import scripts
 from .kept import kept
-from .lock import Handoff, slot_safe
+from .lock import Forced, Handoff, slot_safe
 from .server import LockServer
 
 REMOVE = scripts._HAND_OFF + """
@@ -83,11 +83,10 @@ def remove_everywhere(server: LockServer, index: str, owner_id: str) -> list[str
 
 @dataclass(frozen=True)
 class ForceReleased:
-    """What :func:`force_release` did: ``status`` 1 released (``value`` is what the key held), 0 no
-    lock, -1 not released because the key changed hands since ``expected`` was read;
+    """What :func:`force_release` did: its ``status``, ``value`` what the key held (when released),
     ``handoffs`` the waiters the key passed to, already sent through ``server.dispatch``."""
 
-    status: int
+    status: Forced
     value: bytes
     handoffs: tuple[Handoff, ...]
 
@@ -97,8 +96,8 @@ def force_release(server: LockServer, key: str, expected: str = "") -> ForceRele
     given: the holder an operator was shown), and hand the key on as a release would.
     Raises the server's LockError when Redis cannot be reached."""
     reply = server.run(scripts.FORCE_RELEASE_KEPT, server.keys_for(key), (expected,))
-    status, value = int(reply[0]), reply[1]
-    handoffs = tuple(Handoff.parse(key, item) for item in reply[2:]) if status != -1 else ()
+    status, value = Forced(int(reply[0])), reply[1]
+    handoffs = tuple(Handoff.parse(key, item) for item in reply[2:]) if status is not Forced.CHANGED_HANDS else ()
     server.dispatch(handoffs)  # publishes the waiting task the key was handed to
     return ForceReleased(status, value if isinstance(value, bytes) else str(value or "").encode(), handoffs)
 

@@ -72,6 +72,17 @@ class Release(Enum):
     """The lock server refused the release (e.g. WRONGTYPE); only the task side's release says so."""
 
 
+class Forced(Enum):
+    """What an operator's force-release found: FORCE_RELEASE's status, decoded once."""
+
+    RELEASED = 1
+    """The key's lock is deleted (and the key passed on, as a release would)."""
+    NO_LOCK = 0
+    """Nothing held the key."""
+    CHANGED_HANDS = -1
+    """Nothing deleted: the key no longer starts with the holder the operator was shown."""
+
+
 @dataclass(frozen=True)
 class Done:
     """An acquire that found this owner already succeeded here, with what its body returned

@@ -22,6 +22,7 @@ import click
 
 from ..delivery import handoff
 from ..engine import line_ops
+from ..engine.lock import Forced
 from ..engine.server import LockServer
 from ..exceptions import LockError
 from ..topologies.etcd import EtcdLockServer
@@ -72,7 +73,7 @@ def release(ctx: click.Context, key: str | None, task_name: str | None, every: b
         expected = token
     status, line = _force(target, key, task, expected)
     click.echo(line)
-    ctx.exit(0 if status == 1 else 1)
+    ctx.exit(0 if status is Forced.RELEASED else 1)
 
 
 def _release_task(ctx: click.Context, target: Target, task: str, yes: bool) -> None:
@@ -92,7 +93,7 @@ def _release_task(ctx: click.Context, target: Target, task: str, yes: bool) -> N
     released = 0
     for row, token in held:
         status, line = _force(target, row["key"], task, "" if yes else token)
-        released += status == 1
+        released += status is Forced.RELEASED
         click.echo(line)
     click.echo(f"{released} of {len(held)} lock(s) of task {task} released")
     ctx.exit(0 if released else 1)
@@ -122,8 +123,8 @@ def _held(target: Target, batch: list[tuple[str, str]], client: Any) -> list[tup
             for key, name, value, pttl, waiters in found]
 
 
-def _force(target: Target, key: str, task: str, expected: str) -> tuple[int, str]:
-    """Release one lock: (1 released, 0 gone, -1 changed hands since shown) and the line to print."""
+def _force(target: Target, key: str, task: str, expected: str) -> tuple[Forced, str]:
+    """Release one lock: what it found, and the line to print."""
     if isinstance(target.server, QuorumLockServer):
         return _force_on_quorum(target, target.server, key, task, expected)
     for task_obj in target.tasks.values():  # waiting copies of these tasks are published from here
@@ -141,12 +142,12 @@ def _force(target: Target, key: str, task: str, expected: str) -> tuple[int, str
         else f"; waiting {KINDS.get(h.kind, h.kind)} {h.owner_id} had waited too long (it fails)"
         for h in done.handoffs
     )
-    if done.status == -1:
+    if done.status is Forced.CHANGED_HANDS:
         now = read_one(target, key, task)
-        return -1, (f"lock {key} changed hands since it was shown ({describe(now) if now else 'now free'}): "
-                    "nothing released")
-    if done.status == 0:
-        return 0, f"no lock {key}: nothing released{passed}"
+        shown = describe(now) if now else "now free"
+        return Forced.CHANGED_HANDS, f"lock {key} changed hands since it was shown ({shown}): nothing released"
+    if done.status is Forced.NO_LOCK:
+        return Forced.NO_LOCK, f"no lock {key}: nothing released{passed}"
     was = lock_row(key, task, done.value, -2, waiters, now_us)
     if was["reserved"]:
         holder = f"reserved for waiting task {was['task_id']}"
@@ -157,21 +158,22 @@ def _force(target: Target, key: str, task: str, expected: str) -> tuple[int, str
                   f"{duration(was['held_ms'])}, fencing token {was['fencing_token']}")
     line = f"lock {key} force-released by {who_am_i()}: it was {holder}{passed}"
     audit(line)
-    return 1, line
+    return Forced.RELEASED, line
 
 
 def _force_on_quorum(target: Target, server: QuorumLockServer, key: str, task: str,
-                     expected: str) -> tuple[int, str]:
+                     expected: str) -> tuple[Forced, str]:
     """A quorum: the key deleted on every member that has it, whatever the majority says."""
     row = read_one(target, key, task)
     try:
         status, _value, on = server.force_release(key, expected)
     except LockError as exc:
         fail(str(exc))
-    if status != 1 or row is None:
-        return status, f"lock {key} {'changed hands since it was shown' if status == -1 else 'is gone'}: " \
+    if status is not Forced.RELEASED or row is None:
+        gone = "changed hands since it was shown" if status is Forced.CHANGED_HANDS else "is gone"
+        return status, f"lock {key} {gone}: " \
                        "nothing released"
     line = (f"lock {key} force-released on {on} of {len(server.members)} members by {who_am_i()}: it was "
             f"{describe(row)}")
     audit(line)
-    return 1, line
+    return Forced.RELEASED, line

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from ..engine.lock import Holder, slot_safe
+from ..engine.lock import Forced, Holder, slot_safe
 from ..exceptions import LockError
 from ..topologies.etcd import EtcdLockServer
 from .base import Target, audit, fail, who_am_i
@@ -113,8 +113,9 @@ def release(ctx: click.Context, server: EtcdLockServer, key: str, task: str, yes
         status, _value, _on = server.force_release(slot_safe(key), expected)
     except LockError as exc:
         fail(str(exc))
-    if status != 1:
-        click.echo(f"lock {key} {'changed hands since it was shown' if status == -1 else 'is gone'}: nothing released")
+    if status is not Forced.RELEASED:
+        gone = "changed hands since it was shown" if status is Forced.CHANGED_HANDS else "is gone"
+        click.echo(f"lock {key} {gone}: nothing released")
         ctx.exit(1)
     line = f"lock {key} force-released by {who_am_i()}: it was {describe(row)}"
     audit(line)

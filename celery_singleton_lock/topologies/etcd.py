@@ -40,7 +40,7 @@ from typing import Any
 
 from ..engine import layout
 from ..engine.line import entry_for
-from ..engine.lock import Done, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, slot_safe
+from ..engine.lock import Done, Forced, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, slot_safe
 from ..engine.server import DEFAULT_TURN_TIMEOUT, TOKEN_BYTES, HandoffSender, renew_one
 from ..exceptions import LockBackendUnavailable, LockError
 from .etcd_line import EtcdLine, anyone_waits, line_is_empty
@@ -368,15 +368,16 @@ class EtcdLockServer:
         return [(self._holder(unb64(kv["key"]).decode()[len(prefix):], kv), int(kv.get("lease", 0) or 0))
                 for kv in reply.get("kvs") or []]
 
-    def force_release(self, key: str, expected: str = "") -> tuple[int, bytes, int]:
+    def force_release(self, key: str, expected: str = "") -> tuple[Forced, bytes, int]:
         """For operators: delete ``key``'s lock whoever holds it (only if its value starts with
-        ``expected``, when given): (1 deleted, 0 nothing there, -1 it changed hands), the value, 1."""
+        ``expected``, when given): what it found, the value, and 1 (the members it was deleted on)."""
         found = self.holder(key)
         if found is None:
-            return 0, b"", 0
+            return Forced.NO_LOCK, b"", 0
         if expected and not found.raw.startswith(expected):
-            return -1, found.raw.encode(), 0
+            return Forced.CHANGED_HANDS, found.raw.encode(), 0
         lock_key = layout.etcd_lock(slot_safe(key))
         reply = self.transport.txn([_compare_create(lock_key, found.fencing_token or 0)],
                                    [{"request_delete_range": {"key": b64(lock_key)}}], [], key)
-        return (1, found.raw.encode(), 1) if reply.get("succeeded") else (-1, found.raw.encode(), 0)
+        return (Forced.RELEASED, found.raw.encode(), 1) if reply.get("succeeded") \
+            else (Forced.CHANGED_HANDS, found.raw.encode(), 0)

@@ -54,7 +54,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ..engine import layout, scripts, wire
-from ..engine.lock import Holder, Lock, Release, Released, Verdict, check_ttl, ms, slot_safe
+from ..engine.lock import Forced, Holder, Lock, Release, Released, Verdict, check_ttl, ms, slot_safe
 from ..engine.server import TOKEN_BYTES, HandoffSender, LockServer, renew_one
 from ..exceptions import LockBackendUnavailable, LockError
 from . import quorum_scripts as qlua
@@ -341,10 +341,10 @@ class QuorumLockServer:
             flat.extend([reply] * len(part) if isinstance(reply, Exception) else scripts.renewed(reply))
         return flat
 
-    def force_release(self, key: str, expected: str = "") -> tuple[int, bytes, int]:
+    def force_release(self, key: str, expected: str = "") -> tuple[Forced, bytes, int]:
         """For operators: delete ``key``'s lock on every member, whoever holds it (only where it
-        starts with ``expected``, when given). Returns (1 deleted on at least one member, 0 no
-        member had it, -1 it changed hands: nothing deleted; the value deleted; on how many)."""
+        starts with ``expected``, when given). Returns (RELEASED: on at least one member, the value
+        deleted, on how many members; or NO_LOCK, or CHANGED_HANDS: nothing deleted)."""
         keys = layout.lock_keys(key)
         every = range(len(self.members))
         replies = self._fan_out(scripts.FORCE_RELEASE, [(keys, (expected,))], lambda r: False, force=every)
@@ -354,9 +354,9 @@ class QuorumLockServer:
             raise LockBackendUnavailable(self.url, f"no majority answered the release: {errors[0] if errors else ''}")
         deleted = [r for r in answered if int(r[0]) == 1]
         if deleted:
-            return 1, bytes(deleted[0][1]), len(deleted)
+            return Forced.RELEASED, bytes(deleted[0][1]), len(deleted)
         changed = [r for r in answered if int(r[0]) == -1]
-        return (-1, bytes(changed[0][1]), 0) if changed else (0, b"", 0)
+        return (Forced.CHANGED_HANDS, bytes(changed[0][1]), 0) if changed else (Forced.NO_LOCK, b"", 0)
 
     def holder(self, name: str) -> Holder | None:
         for member in self.members:
