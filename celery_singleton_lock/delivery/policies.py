@@ -199,6 +199,20 @@ class Skipped(Ignore):
         self.skipped = skipped
 
 
+class _QuietSkips(logging.Filter):
+    """Drops Celery's "Task ...[id] ignored" line for a skipped duplicate: the worker already logged
+    why it was skipped (and by which holder), and its result says REVOKED, not ignored."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        data = getattr(record, "data", None)
+        return not (isinstance(data, dict) and data.get("description") == "ignored"
+                    and str(data.get("exc", "")).startswith(Skipped.__name__ + "("))
+
+
+if not any(isinstance(f, _QuietSkips) for f in logging.getLogger("celery.app.trace").filters):
+    logging.getLogger("celery.app.trace").addFilter(_QuietSkips())  # (Celery's tracer logs there)
+
+
 def eager_skip(result: Any) -> Any:
     """An eager run's result, with a skipped duplicate REVOKED as a worker leaves it (Celery's eager
     tracer would say IGNORED, whose ``get()`` returns the Ignore as if it were the task's value, so a
