@@ -810,3 +810,28 @@ def test_after_a_data_loss_a_recovered_copy_counts_only_another_deliverys_start_
     # once a copy holds the key it asks again (the other's whole run may fit between its look and its acquire)
     assert identity.other_copy_ran(waiting, request(recovered))
     assert not identity.other_copy_ran(waiting, request({}))  # (any other delivery: no look at all)
+
+
+def test_a_final_state_counts_as_the_parked_calls_run_whatever_the_hosts_clocks_say(app):
+    """A recovered copy whose entry is gone asks the result backend whether its call ran. A final state
+    stored there is its run: parking stored WAITING over anything earlier (a success excepted, which is
+    this call's own). No host clock is compared: a parking host whose clock ran an hour ahead of the
+    one that stored the result took that run for an older one, and the call ran twice."""
+    from celery.app.task import Context
+
+    from celery_singleton_lock import LockedTask
+    from celery_singleton_lock.delivery import identity
+    from celery_singleton_lock.delivery.headers import ENTRY, PARKED_AT, RECOVERED
+
+    @app.task(base=LockedTask, bind=True)
+    def waiting(self):
+        return None
+
+    task_id = uuid.uuid4().hex
+    copy = Context(id=task_id, headers={ENTRY: "e1", RECOVERED: "c1", PARKED_AT: str(time.time() + 3600)},
+                   delivery_info={"redelivered": False}, is_eager=False)
+    assert not identity.ran_since_park(waiting, copy)  # nothing stored yet
+    waiting.backend.store_result(task_id, {"key": "k", "entry": "e1"}, "WAITING", request=copy)
+    assert not identity.ran_since_park(waiting, copy)  # still waiting
+    waiting.backend.store_result(task_id, 42, "SUCCESS", request=copy)  # its turn ran and ended
+    assert identity.ran_since_park(waiting, copy)

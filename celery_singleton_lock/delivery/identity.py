@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import datetime, timezone
 from typing import Any
 
 from celery.backends.base import DisabledBackend
 from celery.states import READY_STATES, STARTED, SUCCESS
 
 from ..engine.lock import Done, Holder, Lock, Verdict
-from . import handoff
 from .compat import get_actual_ignore_result
 from .decide import Delivery, Found
 from .headers import ENTRY, RECOVERED, UNREACHABLE
@@ -99,8 +97,11 @@ def succeeded(task: Any, request: Any) -> bool:
 def ran_since_park(task: Any, request: Any) -> bool:
     """Did this waiting task start (take its turn) since it first parked?
 
-    Its turn's copy stores STARTED naming its entry (:func:`mark_started`); any final state
-    stored after it parked counts too. Without a backend: False (it runs: a waiter is never lost).
+    Its turn's copy stores STARTED naming its entry (:func:`mark_started`); any final state counts
+    too. No clock is read: parking stored WAITING over whatever this task id held before, except a
+    SUCCESS (which Celery's key-value backends never overwrite, and which is this very call's), so a
+    final state read now was stored since it parked, or is this call's success. Without a backend:
+    False (it runs: a waiter is never lost).
     """
     meta = _meta(task, request)
     if meta is None:
@@ -116,16 +117,7 @@ def ran_since_park(task: Any, request: Any) -> bool:
         return not (redelivered and info.get("copy") == str((request.headers or {}).get(RECOVERED)))
     if status == "WAITING":  # parked again since (another message of it, e.g. its retry): this one ran
         return isinstance(info, dict) and info.get("entry") not in (None, entry)
-    if status not in READY_STATES:
-        return False  # PENDING, WAITING, RETRY: it never took its turn
-    return _since_park(request, meta)
-
-
-def _since_park(request: Any, meta: dict[str, Any]) -> bool:
-    """Was this final state stored after the call first parked (give or take a second of clocks)?"""
-    parked_at = handoff.first_parked_at(request)
-    done = _when(meta.get("date_done"))
-    return parked_at is None or done is None or done >= parked_at - 1.0
+    return status in READY_STATES  # PENDING, WAITING, RETRY: it never took its turn
 
 
 def other_copy_ran(task: Any, request: Any) -> bool:
@@ -135,19 +127,6 @@ def other_copy_ran(task: Any, request: Any) -> bool:
     the look and the acquire; under the lock it can: the other stores STARTED while it holds the key,
     before its body. False for every other delivery (no look)."""
     return bool((request.headers or {}).get(RECOVERED)) and ran_since_park(task, request)
-
-
-def _when(value: Any) -> float | None:
-    if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value)
-        except ValueError:
-            return None
-    if not isinstance(value, datetime):
-        return None
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=timezone.utc)
-    return float(value.timestamp())
 
 
 def mark_started(task: Any, request: Any, track_started: bool) -> None:
