@@ -478,6 +478,45 @@ def test_a_turns_claim_whose_reply_comes_too_late_is_given_back_and_the_call_sti
     _turn_with_claim_faulted(env, lambda claim: env.proxy.delay(claim, 1.5, 1))  # (the lock TTL is 3 s)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_park_that_meets_a_dead_connection_twice_is_sent_again_and_runs_in_turn(env):
+    """The duplicate's PARK never reached Redis, twice (the client's own second send too): the call is
+    sent again, as when its acquire cannot reach Redis, parks, and runs once after the holder. It used
+    to fail with LockBackendUnavailable: a call lost."""
+    park = sha_of(line_scripts.PARK)
+    k = _key()
+    holder = env.inline.delay(k, 1.0, "holder")
+    started(env, k)
+    env.proxy.refuse(park, 2)
+    dup = env.inline.delay(k, 0.1, "dup")
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+    assert env.proxy.left(park) == 0, "the PARK was not refused: the test did not run its fault"
+    done = once_each(env, k, [holder, dup], ["holder", "dup"])
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    quiet_then_check(env, k, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_park_whose_reply_is_lost_twice_is_sent_again_and_runs_once(env):
+    """The duplicate's PARK ran in Redis, and its reply was lost twice: the call is sent again, finds
+    itself parked already and ends; its parked message runs once, in its turn."""
+    park = sha_of(line_scripts.PARK)
+    k = _key()
+    holder = env.inline.delay(k, 1.0, "holder")
+    started(env, k)
+    env.proxy.arm(park, 2)
+    dup = env.inline.delay(k, 0.1, "dup")
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+    assert env.proxy.left(park) == 0, "the PARK replies were not lost: the test did not run its fault"
+    done = once_each(env, k, [holder, dup], ["holder", "dup"])
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    quiet_then_check(env, k, 2)
+
+
 # -- 6. a slot waiter's claim faulted (woken in its slot, it claims the key reserved for it) ---------
 
 

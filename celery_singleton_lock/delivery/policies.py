@@ -56,22 +56,28 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     holder_id = outcome.owner_id if isinstance(outcome, Holder) else request.id
     wait = parked.wait_left(request, settings, server, key, entry)
     message = handoff.pack(task, request, args, kwargs)
-    entry = entry or queue.entry_for(request.id, request.retries)
+    given, entry = entry, entry or queue.entry_for(request.id, request.retries)
     # a fresh "retry" duplicate, or a copy sent ahead of its turn (or one that lost its reservation),
     # waits in its worker slot first (lock_wait_in_slot)
     ahead = action is Action.PARK_FIRST and (request.headers or {}).get(ENTRY) == entry
     block = settings.wait_in_slot if (action is Action.PARK or ahead) and settings.on_duplicate == "retry" else 0.0
     if not server.supports_slot_wait:  # waiting in a worker slot is one Redis's (BLPOP): etcd parks at once
         block = 0.0
-    parked_as = queue.park(
-        server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
-        owner_id=request.id, message=message, first=first,
-        again=(request.headers or {}).get(ENTRY) == entry,
-        redelivered=bool((request.delivery_info or {}).get("redelivered")),
-        # a redelivery under "coalesce" parks, unless it was merged already: then it stays merged
-        merge=action is Action.COALESCE or (action is Action.PARK and settings.on_duplicate == "coalesce"),
-        block=block,
-    )
+    try:
+        parked_as = queue.park(
+            server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
+            owner_id=request.id, message=message, first=first,
+            again=(request.headers or {}).get(ENTRY) == entry,
+            redelivered=bool((request.delivery_info or {}).get("redelivered")),
+            # a redelivery under "coalesce" parks, unless it was merged already: then it stays merged
+            merge=action is Action.COALESCE or (action is Action.PARK and settings.on_duplicate == "coalesce"),
+            block=block,
+        )
+    except LockBackendUnavailable as exc:
+        # sent again as when an acquire cannot reach Redis: if this PARK did run, its entry (named by
+        # the task id) is there, and the copy finds itself parked already, or its turn taken
+        unreachable(task, request, args, kwargs, settings, secrets.token_hex(16), exc, given)
+        return None  # (eager: never here, it never parks)
     if parked_as.found is Park.FREE:
         return None
     if parked_as.found is Park.CLAIM:  # its turn came while it looked: the key is reserved for this copy
