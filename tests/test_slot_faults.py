@@ -22,7 +22,7 @@ import pytest
 from _fault_proxy import FaultProxy, sha_of
 from _task_support import assert_no_overlap
 
-from celery_singleton_lock.engine import layout, line_scripts, scripts
+from celery_singleton_lock.engine import dedupe, layout, line_scripts, scripts
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -513,6 +513,33 @@ def test_a_park_whose_reply_is_lost_twice_is_sent_again_and_runs_once(env):
     assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
     assert env.proxy.left(park) == 0, "the PARK replies were not lost: the test did not run its fault"
     done = once_each(env, k, [holder, dup], ["holder", "dup"])
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    quiet_then_check(env, k, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_coalescing_turn_that_cannot_read_its_merged_calls_is_sent_again_and_covers_them(env):
+    """A coalescing waiter's turn took the key, then could not read the calls merged into it (the read
+    met a dead connection twice): it used to fail with LockBackendUnavailable, the call lost and the
+    merged call WAITING for ever. It is sent again, takes the key back, and its run covers both."""
+    take = sha_of(dedupe.TAKE_MERGED)
+    k = _key()
+    holder = env.merging.delay(k, 1.0, "holder")
+    started(env, k)
+    lock_key = env.merging.lock_key_for((k,), {})
+    waiter = env.merging.delay(k, 0.1, "waiter")
+    wait_until(lambda: env.locks.client(2).llen(layout.line(lock_key)) == 1, TIMEOUT, what="the waiter to park")
+    merged = env.merging.delay(k, 0.1, "merged")
+    wait_until(lambda: (state_of(merged), (merged.backend.get_task_meta(merged.id, cache=False)["result"] or {})
+                        .get("merged_into")) == ("WAITING", waiter.id), TIMEOUT, what="the call to merge")
+    env.proxy.refuse(take, 2)
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    covering = waiter.get(timeout=TIMEOUT)
+    assert merged.get(timeout=TIMEOUT) == covering  # the one run's value, for both calls
+    assert env.proxy.left(take) == 0, "the read was not refused: the test did not run its fault"
+    done = runs(env, k)
+    assert sorted(r["tag"] for r in done) == ["holder", "merged"], done  # one run, with the latest arguments
     assert_no_overlap([(r["start"], r["end"]) for r in done])
     quiet_then_check(env, k, 2)
 

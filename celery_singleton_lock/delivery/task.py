@@ -277,16 +277,19 @@ class LockedTask(Task):
         request.__dict__[_REENTERED] = nested
 
     def _run_with(self, lock: Lock, request: Any, settings: config.LockSettings) -> None:
+        entry = (request.headers or {}).get(ENTRY)
+        if entry and settings.on_duplicate == "coalesce":  # the calls merged into this waiter: it covers them
+            try:  # read first, before the lock is its own: unread, the call is sent again and takes it back
+                coalescing.take(lock.server, request, lock.key)
+            except LockBackendUnavailable as exc:
+                policies.unreachable(self, request, request.args, request.kwargs, settings, lock.token, exc, entry)
+                raise  # (eager: never here, it never parks)
         setattr(request, HANDLE, lock)  # from here on, __call__ (or task_postrun) releases it
         reentry.register(lock)  # held(..., owner_id=<task id>) in the body re-enters it
         get_watchdog(**settings.watchdog_options).track(lock, partial(_announce_lost, self, request.id))
         lock_acquired.send(sender=self, key=lock.key, task_id=request.id, lock=lock)
-        headers = request.headers or {}
-        entry = headers.get(ENTRY)
         if self.lock_track_started or entry:
             identity.mark_started(self, request, self.lock_track_started)
-        if entry and settings.on_duplicate == "coalesce":  # the calls merged into this waiter: it covers them
-            coalescing.take(lock.server, request, lock.key)
 
     def _on_my_stack(self, owner_id: str | None) -> bool:
         """Is the execution holding the key up this thread's call stack (eager nesting)?"""

@@ -108,3 +108,9 @@ policies._in_slot = _handed_then_maybe_die  # type: ignore[assignment]
 def inline(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
     """Waits in line with no slot wait: its turn comes as a message, whose claim the tests fault."""
     return run_body(journal, self, key, seconds, tag)
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="coalesce", lock_max_wait=20.0)
+def merging(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
+    """Coalesces: a call that finds a waiter parked behind the holder merges into it (no slot wait)."""
+    return run_body(journal, self, key, seconds, tag)
