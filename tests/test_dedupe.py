@@ -8,7 +8,6 @@ no two bodies of one key overlapped.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pickle
@@ -20,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _clusters import worker_cluster
 from _task_support import assert_no_overlap
 from celery import chain
 
@@ -27,7 +27,7 @@ from celery_singleton_lock import AlreadyQueued, duplicate_coalesced, publish_jo
 from celery_singleton_lock.engine import layout
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.engine.lock import Holder
-from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
+from celery_singleton_lock.testing.servers import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,31 +37,8 @@ TIMEOUT = 60
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("dedupe")
-    with RedisServer() as server:
-        base = f"redis://127.0.0.1:{server.port}"
-        os.environ["CSL_REDIS_URL_BASE"] = base
-        sys.path.insert(0, str(ROOT / "tests"))
-        try:
-            module = importlib.reload(sys.modules["apps.dedupe_app"]) if "apps.dedupe_app" in sys.modules \
-                else importlib.import_module("apps.dedupe_app")
-        finally:
-            sys.path.remove(str(ROOT / "tests"))
-        workers = [
-            WorkerProcess("apps.dedupe_app", concurrency=2, cwd=ROOT / "tests", logfile=str(logs / f"w{i}.log"),
-                          env={"CSL_REDIS_URL_BASE": base,
-                               "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}).start()
-            for i in range(2)
-        ]
-        try:
-            for w in workers:
-                w.wait_ready(60)
-            module.server = server
-            module.base = base
-            yield module
-        finally:
-            for w in workers:
-                w.stop()
+    with worker_cluster("dedupe_app", tmp_path_factory.mktemp("dedupe")) as module:
+        yield module
 
 
 def _key() -> str:

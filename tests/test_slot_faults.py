@@ -10,20 +10,18 @@ one key overlapped.
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from _fault_proxy import FaultProxy, sha_of
+from _clusters import worker_cluster
+from _fault_proxy import sha_of
 from _task_support import assert_no_overlap
 
 from celery_singleton_lock.engine import dedupe, layout, line_scripts, scripts
-from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
+from celery_singleton_lock.testing.servers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 40
@@ -32,34 +30,8 @@ QUIET = 2.0  # after the last expected run: long enough for a late twin (a re-se
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("slot_faults")
-    with RedisServer() as server, RedisServer() as locks:
-        proxy = FaultProxy(locks.port)  # the workers reach the lock Redis through it
-        base = f"redis://127.0.0.1:{server.port}"
-        os.environ["CSL_REDIS_URL_BASE"] = base
-        os.environ["CSL_LOCK_URL"] = proxy.url(2)
-        sys.path.insert(0, str(ROOT / "tests"))
-        try:
-            module = importlib.reload(sys.modules["apps.slot_faults_app"]) if "apps.slot_faults_app" in sys.modules \
-                else importlib.import_module("apps.slot_faults_app")
-        finally:
-            sys.path.remove(str(ROOT / "tests"))
-        workers = [
-            WorkerProcess("apps.slot_faults_app", concurrency=2, cwd=ROOT / "tests", logfile=str(logs / f"w{i}.log"),
-                          env={"CSL_REDIS_URL_BASE": base, "CSL_LOCK_URL": proxy.url(2),
-                               "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}).start()
-            for i in range(2)
-        ]
-        try:
-            for w in workers:
-                w.wait_ready(60)
-            module.server, module.locks, module.workers, module.proxy = server, locks, workers, proxy
-            yield module
-        finally:
-            for w in workers:
-                w.stop()
-            proxy.close()
-            os.environ.pop("CSL_LOCK_URL", None)
+    with worker_cluster("slot_faults_app", tmp_path_factory.mktemp("slot_faults"), lock_proxy=True) as module:
+        yield module
 
 
 def _key() -> str:
