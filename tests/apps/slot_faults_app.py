@@ -114,3 +114,27 @@ def inline(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
 def merging(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
     """Coalesces: a call that finds a waiter parked behind the holder merges into it (no slot wait)."""
     return run_body(journal, self, key, seconds, tag)
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_publish="join")
+def joining(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
+    """A publish of it while a call of its key is published and not yet started joins that call."""
+    return run_body(journal, self, key, seconds, tag)
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_cooldown=1.0)
+def cooling(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
+    """The key stays taken 1 s after each run; the next waiter gets it from the sweeper then."""
+    return run_body(journal, self, key, seconds, tag)
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_max_wait=1.5)
+def impatient(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
+    """Waits in line 1.5 s at most, then fails with LockWaitTimeout."""
+    return run_body(journal, self, key, seconds, tag)
+
+
+@app.task
+def errback_log(request: Any, exc: Any, traceback: Any) -> None:
+    """Journals each errback call, by the failed task's id (the tests count them)."""
+    journal.rpush(f"errbacks:{request.id}", type(exc).__name__)

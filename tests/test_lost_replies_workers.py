@@ -1,0 +1,173 @@
+"""A lost reply at every script the task side sends, through real prefork workers and a real broker.
+
+The fault proxy in front of the lock Redis lets Redis run the next call of one script, drops its
+reply and resets the connection; the client then sends it again (a script kept under its request id
+answers as the first send did) or treats it as failed (a renewal: the next round renews). Each test
+runs one piece of traffic on one key with that fault armed, and checks what users rely on: every
+call ends in a final state, each call that should run ran once, no two bodies overlapped, nothing
+ran late twice, and an errback fired once where a call failed. Each also checks that the fault
+happened (the reply was dropped), so none passes vacuously.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+from _clusters import worker_cluster
+from _fault_proxy import sha_of
+from _task_support import assert_no_overlap
+
+from celery_singleton_lock.engine import dedupe, fresh, layout, line_scripts, scripts
+from celery_singleton_lock.exceptions import LockWaitTimeout
+from celery_singleton_lock.testing.servers import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+TIMEOUT = 40
+QUIET = 2.0  # after the last run: long enough for a late twin (a re-send, a recovered copy) to run
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    with worker_cluster("slot_faults_app", tmp_path_factory.mktemp("lost_replies"), lock_proxy=True) as module:
+        yield module
+
+
+def _key() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def runs(env, key):
+    return [json.loads(r) for r in env.journal.lrange(f"runs:{key}", 0, -1)]
+
+
+def started(env, key, count=1):
+    wait_until(lambda: env.journal.llen(f"started:{key}") >= count, TIMEOUT, what=f"{count} run(s) of {key}")
+
+
+def parked(env, task, key, count=1):
+    lock_key = task.lock_key_for((key,), {})
+    wait_until(lambda: env.locks.client(2).llen(layout.line(lock_key)) >= count, TIMEOUT,
+               what=f"{count} waiter(s) of {key} to park")
+
+
+def checked(env, key, pattern, calls, ran, failed=()):
+    """Every call final; the calls ``ran`` (by tag) each ran once and nothing else ran; the ``failed``
+    ones failed with LockWaitTimeout and fired their errback once; no overlap; the fault happened."""
+    for call in calls:
+        if call in failed:
+            with pytest.raises(LockWaitTimeout):
+                call.get(timeout=TIMEOUT)
+        else:
+            call.get(timeout=TIMEOUT)
+    assert env.proxy.left(pattern) == 0, "the reply was not dropped: the test did not run its fault"
+    time.sleep(QUIET)
+    done = runs(env, key)
+    assert sorted(r["tag"] for r in done) == sorted(ran), [(r["tag"], r["headers"]) for r in done]
+    assert len(env.journal.lrange(f"started:{key}", 0, -1)) == len(ran)  # and no run began twice
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    for call in failed:
+        assert env.journal.lrange(f"errbacks:{call.id}", 0, -1) == [b"LockWaitTimeout"]
+    return done
+
+
+@pytest.mark.parametrize("script", ["PARK", "ACQUIRE", "RELEASE", "RENEW_MANY"])
+def test_a_line_of_waiters_with_one_reply_lost(env, script):
+    """A holder (renewed once: 1.5 s against a 3 s TTL), two waiters parked behind it, each claiming
+    its turn and releasing to the next: the reply of the first PARK, claim, release or renewal after
+    the holder started is lost."""
+    pattern = sha_of({"PARK": line_scripts.PARK, "ACQUIRE": scripts.ACQUIRE, "RELEASE": scripts.RELEASE,
+                      "RENEW_MANY": scripts.RENEW_MANY}[script])
+    k = _key()
+    errback = env.errback_log.s()
+    holder = env.inline.apply_async((k, 1.5, "holder"), link_error=errback)
+    started(env, k)
+    env.proxy.arm(pattern, 1)
+    first = env.inline.apply_async((k, 0.1, "first"), link_error=errback)
+    parked(env, env.inline, k)
+    second = env.inline.apply_async((k, 0.1, "second"), link_error=errback)
+    done = checked(env, k, pattern, [holder, first, second], ["holder", "first", "second"])
+    assert [r["tag"] for r in sorted(done, key=lambda r: r["start"])][0] == "holder"
+
+
+@pytest.mark.parametrize("script", ["PARK", "TAKE_MERGED"])
+def test_a_coalesced_call_with_one_reply_lost(env, script):
+    """A holder, a waiter, and a call merged into the waiter: the reply of the merge (a PARK that
+    finds the waiter) or of the waiter's read of its merged calls is lost. One run covers both."""
+    pattern = sha_of(line_scripts.PARK if script == "PARK" else dedupe.TAKE_MERGED)
+    k = _key()
+    holder = env.merging.delay(k, 1.0, "holder")
+    started(env, k)
+    waiter = env.merging.delay(k, 0.1, "waiter")
+    parked(env, env.merging, k)
+    env.proxy.arm(pattern, 1)
+    merged = env.merging.delay(k, 0.1, "merged")
+    checked(env, k, pattern, [holder, waiter, merged], ["holder", "merged"])
+    assert merged.get(timeout=TIMEOUT) == waiter.get(timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("script", ["PUBLISH", "UNMARK"])
+def test_a_joined_publish_with_one_reply_lost(env, script):
+    """``lock_publish="join"``: a call published with a countdown (so it is not started yet), and a
+    second publish that joins it; then, once it ran, a third publish, which is a call of its own. The
+    reply of the first PUBLISH, or of the UNMARK at its start, is lost: no phantom call is joined."""
+    pattern = sha_of(dedupe.PUBLISH if script == "PUBLISH" else dedupe.UNMARK)
+    k = _key()
+    env.proxy.arm(pattern, 1)
+    first = env.joining.apply_async((k, 0.1, "first"), countdown=1.0)
+    joined = env.joining.delay(k, 0.1, "joined")
+    assert joined.id == first.id  # it joined the call published and not yet started
+    first.get(timeout=TIMEOUT)
+    later = env.joining.delay(k, 0.1, "later")
+    assert later.id != first.id
+    checked(env, k, pattern, [first, later], ["first", "later"])
+
+
+@pytest.mark.parametrize("script", ["RELEASE", "SWEEP"])
+def test_a_cooldown_with_one_reply_lost(env, script):
+    """``lock_cooldown``: the holder's release keeps the key 1 s, then the sweeper hands it to the
+    waiter. The reply of that release, or of the sweeper's next SWEEP, is lost."""
+    pattern = sha_of(scripts.RELEASE if script == "RELEASE" else line_scripts.SWEEP)
+    k = _key()
+    holder = env.cooling.delay(k, 0.5, "holder")
+    started(env, k)
+    waiter = env.cooling.delay(k, 0.1, "waiter")
+    parked(env, env.cooling, k)
+    env.proxy.arm(pattern, 1)
+    done = checked(env, k, pattern, [holder, waiter], ["holder", "waiter"])
+    by_tag = {r["tag"]: r for r in done}
+    assert by_tag["waiter"]["start"] >= by_tag["holder"]["end"] + 1.0 - 0.1  # (0.1 s: the hosts' clocks)
+
+
+def test_a_waiter_past_its_max_wait_with_the_sweeps_reply_lost(env):
+    """``lock_max_wait`` 1.5 s behind a 4 s holder: the sweeper fails the waiter. The reply of the
+    SWEEP that finds it expired is lost; sent again, it still names it: it ends LockWaitTimeout, its
+    errback fires once, and it never runs."""
+    pattern = sha_of(line_scripts.SWEEP)
+    k = _key()
+    holder = env.impatient.delay(k, 4.0, "holder")
+    started(env, k)
+    waiter = env.impatient.apply_async((k, 0.1, "waiter"), link_error=env.errback_log.s())
+    parked(env, env.impatient, k)
+    # armed just before the waiter's deadline, so that the SWEEP whose reply is lost is the one that
+    # finds it expired (an earlier one may pass the key over and find nothing to do)
+    time.sleep(1.0)
+    env.proxy.arm(pattern, 1)
+    checked(env, k, pattern, [holder, waiter], ["holder"], failed=[waiter])
+
+
+def test_the_fresh_release_with_its_reply_lost_is_not_a_lost_lock(env):
+    """A holder with nobody behind it releases with the fresh release; its reply is lost and the
+    release sent again: the run is not reported lost, and the next call takes the key at once."""
+    pattern = sha_of(fresh.RELEASE_FRESH)
+    k = _key()
+    env.proxy.arm(pattern, 1)
+    holder = env.inline.delay(k, 0.1, "holder")
+    holder.get(timeout=TIMEOUT)
+    after = env.inline.delay(k, 0.1, "after")
+    checked(env, k, pattern, [holder, after], ["holder", "after"])
+    logs = "".join(w.log() for w in env.workers)
+    assert f"was no longer held by task {holder.id}" not in logs  # its release was not taken for a lost lock
