@@ -3,7 +3,8 @@
 
     python3 dev.py demo    # run the inventory demo (the main job)
     python3 dev.py demo beat   # the beat example: periodic runs never overlap
-    python3 dev.py test    # ruff, mypy, lint-imports, the docs build, then the whole test suite (what CI runs)
+    python3 dev.py test    # ruff, mypy, lint-imports, the docs build, then the test suite but its long fault tests
+    python3 dev.py test --all   # the same with the long fault tests too (what CI runs)
     python3 dev.py docs    # build the documentation site into site/ (mkdocs --strict: any warning fails;
                            # installs the package and the "docs" group only)
     python3 dev.py docs --serve   # serve it locally (mkdocs prints the address), rebuilt on every change
@@ -111,6 +112,14 @@ def parallel(rest: list[str]) -> list[str]:
     return ["-n", "3", "--dist", "loadfile"]
 
 
+def tier(rest: list[str]) -> list[str]:
+    """The long fault and topology tests (marker ``long``: failovers, random faults, the benchmarks'
+    smoke run) are left out unless ``--all`` is given (CI gives it), a marker expression is, or tests
+    are named (a named file runs whole)."""
+    named = any(not a.startswith("-") for a in rest)
+    return [] if "--all" in rest or "-m" in rest or named else ["-m", "not long"]
+
+
 QUIET_MKDOCS = dict(os.environ, NO_MKDOCS_2_WARNING="1")  # Material's banner about its successor, on every build
 
 
@@ -178,7 +187,7 @@ def main() -> int:
         code = docs([])  # a broken link or reference fails the run
         if code:
             return code
-        return run([str(PY), "-m", "pytest", *parallel(rest), *rest])
+        return run([str(PY), "-m", "pytest", *parallel(rest), *tier(rest), *[a for a in rest if a != "--all"]])
     if cmd == "demo":
         ensure_venv()
         if rest[:1] == ["beat"]:
