@@ -122,13 +122,8 @@ def _argv(w: list[str]) -> list[str]:
 
 
 def _acquire_owner(w: list[str]) -> str | None:
-    """The owner id of a MONITORed ACQUIRE (full: its 4th argument; fresh: in its metadata, in the
-    script's arguments or, sent as a plain SET NX GET, in the value after "<token> 0 "), else None."""
-    if w[0].upper() == "SET" and len(w) > 4 and "NX" in w[3:]:
-        try:
-            return json.loads(w[2].split(" ", 2)[2]).get("owner")
-        except (IndexError, ValueError):
-            return None
+    """The owner id of a MONITORed ACQUIRE (full: its 4th argument; fresh: in its metadata, the
+    script's 2nd argument), else None."""
     if w[0].upper() != "EVALSHA":
         return None
     if w[1] == ACQUIRE_SHA and len(_argv(w)) > 3:

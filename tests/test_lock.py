@@ -105,11 +105,7 @@ def test_acquire_holds_and_tells_who_holds(any_redis):
     token, fence, meta = raw.split(" ", 2)
     assert token == lock.token and int(fence) == lock.fencing_token
     assert abs(lock.fencing_token / 1e6 - time.time()) < 300  # the server clock in microseconds
-    meta = json.loads(meta)
-    taken_ms = meta.pop("at", None)  # a fresh task's plain SET: when it was taken, by this host's clock
-    assert meta == {"owner": "task-1", "host": socket.gethostname(), "pid": os.getpid()}
-    assert (taken_ms is not None) == server.plain_set
-    assert taken_ms is None or abs(taken_ms / 1000 - time.time()) < 60
+    assert json.loads(meta) == {"owner": "task-1", "host": socket.gethostname(), "pid": os.getpid()}
 
     held = server.holder(name)
     assert isinstance(held, Holder)
@@ -117,12 +113,11 @@ def test_acquire_holds_and_tells_who_holds(any_redis):
     assert 0 < held.ttl_ms <= 10_000 and held.raw == raw and held.fencing_token == lock.fencing_token
     assert not held.reserved and not held.queued
 
-    # a contender is told the same, in the same round trip, and gets no lock (its TTL is not read on the
-    # plain path: -1)
+    # a contender is told the same, in the same round trip, and gets no lock
     contender = LockServer.from_url(any_redis.url(DB))
     other = contender.acquire(name, 10, owner_id="task-2")
     assert isinstance(other, Holder) and other.owner_id == "task-1"
-    assert other.ttl_ms == -1 if contender.plain_set else 0 < other.ttl_ms <= 10_000
+    assert 0 < other.ttl_ms <= 10_000
     assert server.release(lock)
     assert server.holder(name) is None
 
@@ -459,8 +454,8 @@ def test_a_release_leaves_nothing_behind_unless_asked_to_remember(any_redis):
 
     lock = server.acquire(name, 5, owner_id="task-1")
     assert server.release(lock, succeeded=True)
-    # the uncontended path of Redis >= 7 keeps no reply: nothing at all (6.2's full RELEASE keeps one)
-    assert (c.dbsize() if server.plain_set else left()) == before
+    # the uncontended path keeps no reply: nothing at all
+    assert c.dbsize() == before
     lock = server.acquire(name, 5, owner_id="task-2")
     assert server.release(lock, succeeded=False, remember=60)  # only successes are remembered
     assert left() == before
@@ -589,19 +584,11 @@ def test_one_command_per_operation(any_redis):
         mon.sync()
         ops["release"] = mon.commands()
     for op, cmds in ops.items():
-        fresh = op.startswith("acquire") and server.plain_set  # no script: SET NX GET and EXISTS, one write
-        assert [cmd[0] for cmd in cmds] == (["SET", "EXISTS"] if fresh else ["EVALSHA"]), (op, cmds)
-    # declared: cluster-safe; the last is the call's kept reply (engine/kept.py), in the same slot
-    every_key = ["5", lock.key, lock.key + ":q", lock.key + ":w", lock.key + ":d"]
-    if server.plain_set:  # a fresh acquire touches the lock and line only
-        assert ops["acquire"][0][1] == lock.key and ops["acquire"][0][3:] == ["NX", "GET", "PX", "10000"]
-        assert ops["acquire"][0][2].startswith(lock.token + " 0 {") and ops["acquire"][1] == ["EXISTS", lock.key + ":q"]
-    else:  # (Redis 6.2: SET takes NX or GET, not both; the small script)
-        assert ops["acquire"][0][2:5] == ["2", lock.key, lock.key + ":q"]
-    if server.plain_set:  # its release: RELEASE_FRESH, one key and one argument (nobody parked behind it)
-        assert ops["release"][0][2:] == ["1", lock.key, lock.token + " "]
-    else:
-        assert ops["release"][0][2:7] == every_key and ops["release"][0][7].startswith(lock.key + ":r:")
+        assert [cmd[0] for cmd in cmds] == ["EVALSHA"], (op, cmds)
+    # declared: cluster-safe. A fresh acquire (the small script) touches the lock and its line only
+    assert ops["acquire"][0][2:5] == ["2", lock.key, lock.key + ":q"]
+    # its release: RELEASE_FRESH, one key and one argument (nobody parked behind it)
+    assert ops["release"][0][2:] == ["1", lock.key, lock.token + " "]
     assert ops["renew"][0][2:5] == ["1", lock.key, lock.token + " "]
 
 
@@ -610,18 +597,14 @@ def test_one_command_per_operation_in_commandstats(any_redis):
     warm(server)
     name = new_name()
     for op in ("acquire", "renew", "release"):
-        before = counted(any_redis) if op != "acquire" or not server.plain_set else any_redis.commandstats()
+        before = counted(any_redis)
         if op == "acquire":
             lock = server.acquire(name, 10)
         elif op == "renew":
             assert server.renew(lock)
         else:
             assert server.release(lock)
-        if op == "acquire" and server.plain_set:  # no script: what it sends is all Redis runs
-            diff = stats_diff(before, any_redis.commandstats())
-            assert {k: v for k, v in diff.items() if k not in HANDSHAKE} == {"set": 1, "exists": 1}
-        else:
-            assert stats_diff(before, counted(any_redis)) == {"evalsha": 1}, op
+        assert stats_diff(before, counted(any_redis)) == {"evalsha": 1}, op
 
 
 @pytest.mark.timeout(90)
@@ -819,45 +802,30 @@ def test_close_drops_the_connections_and_they_come_back(redis_server):
 # -- the lightest paths (a fresh acquire, a release with nobody in line) -------------------------
 
 
-def test_a_fresh_locks_fencing_token_is_drawn_on_first_read_while_held_and_keeps_rising(any_redis):
-    """The plain SET of a fresh acquire writes no fence; the first read of ``fencing_token`` draws
-    it from the server clock (one EVALSHA) while the lock is held, so it is greater than every earlier
-    holder's and smaller than every later one's; read after the loss or the release, it raises."""
+def test_a_fresh_locks_fencing_token_is_known_at_the_acquire_and_keeps_rising(any_redis):
+    """A fresh acquire draws the fence from the server clock in its own script: reading it costs no
+    round trip, operators read the same value in Redis, and it rises across holders, also after an
+    expiry."""
     server = server_for(any_redis)
     warm(server)
     name = new_name()
     first = server.acquire(name, 5)
-    assert isinstance(first, Lock)
-    if server.plain_set:
-        assert server.holder(name).raw.startswith(first.token + " 0 ") and first.known_fence() is None
+    assert isinstance(first, Lock) and first.known_fence() == first.fencing_token > 0
     with Monitor(any_redis) as mon:
         fence = first.fencing_token
-        assert first.fencing_token == fence  # drawn once
         mon.sync()
-        sent = [cmd[0] for cmd in mon.commands() if cmd[0] != "SCRIPT"]  # (FENCE loaded on first use)
-        assert sent == (["EVALSHA"] if server.plain_set else [])
+        assert mon.commands() == []  # (no round trip to read it)
     assert server.holder(name).fencing_token == fence and server.release(first)
     second = server.acquire(name, 5)
     assert second.fencing_token > fence and server.release(second)
-    expired = server.acquire(name, 0.3)
+    server.acquire(name, 0.3)
     wait_until(lambda: server.holder(name) is None, 10, 0.02, "the lock to expire")
     third = server.acquire(name, 5)
-    assert third.fencing_token > second.fencing_token
-    if server.plain_set:  # never read while held: no sound token is left to draw
-        with pytest.raises(LockLost):
-            expired.fencing_token  # noqa: B018
-        assert expired.lost
-    assert server.release(third)
-    released = server.acquire(name, 5)
-    assert server.release(released)
-    if server.plain_set:
-        assert "drawn when first read" in repr(released)  # a repr (a log line, a traceback) draws nothing
-        with pytest.raises(LockLost):
-            released.fencing_token  # noqa: B018
+    assert third.fencing_token > second.fencing_token and server.release(third)
 
 
 def test_a_fresh_acquire_on_a_client_that_decodes_replies(redis_server):
-    """``decode_responses=True`` (a client the user built): the plain SET's GET reply is text then."""
+    """``decode_responses=True`` (a client the user built): replies come as text then."""
     server = LockServer(redis_server.client(DB, decode_responses=True), url=redis_server.url(DB))
     name = new_name()
     mine = server.acquire(name, 5, owner_id="first")
@@ -868,30 +836,20 @@ def test_a_fresh_acquire_on_a_client_that_decodes_replies(redis_server):
     server.close()
 
 
-@pytest.mark.parametrize("plain_set", [True, False], ids=["plain-set", "script"])
-def test_a_fresh_acquire_never_jumps_a_line_whose_holder_died(any_redis, plain_set):
+def test_a_fresh_acquire_never_jumps_a_line_whose_holder_died(any_redis):
     """The holder died (its key expired) with a waiter in line: a fresh task finds the key free, but
-    must not run ahead of the waiter. It is told the key is queued, and the key goes to the waiter."""
+    must not run ahead of the waiter. It is told the key is queued, and takes nothing."""
     from celery_singleton_lock.engine import line as queue
 
     server = server_for(any_redis)
-    server.plain_set = plain_set
-    sent = []
-    server.send_handoff = lambda _server, handoff: sent.append(handoff) is None
     name = new_name()
     holder = server.acquire(name, 0.3, owner_id="holder")
     assert isinstance(holder, Lock)
     assert queue.park(server, name, "e-waiter", kind="t", wait=30, ttl=5, owner_id="waiter", message=b"m").place == 1
     wait_until(lambda: server.holder(name) is None, 10, 0.02, "the holder's key to expire")
     newcomer = server.acquire(name, 5, owner_id="newcomer")
-    assert isinstance(newcomer, Holder) and newcomer.owner_id != "newcomer", newcomer
-    assert newcomer.queued or newcomer.reserved
-    if plain_set and server.plain_set:  # it took the free key and gave it back: to the waiter, at once
-        assert [h.owner_id for h in sent] == ["waiter"]
-        assert server.holder(name).reserved and server.holder(name).owner_id == "waiter"
-    claimed = server.acquire(name, 5, owner_id="waiter", entry="e-waiter") if sent else None
-    if claimed is not None:
-        assert isinstance(claimed, Lock) and server.release(claimed)
+    assert isinstance(newcomer, Holder) and newcomer.queued, newcomer
+    assert server.holder(name) is None  # nothing taken: the sweeper hands the key to the waiter
 
 
 def test_release_of_a_fresh_holder_hands_the_key_to_a_waiter_that_parked_behind_it(any_redis):

@@ -100,7 +100,7 @@ class Holder:
     host: str | None
     pid: int | None
     ttl_ms: int
-    """The key's PTTL when it was read (-1: not read, as by a fresh acquire's plain SET)."""
+    """The key's PTTL when it was read."""
     raw: str
     fencing_token: int | None = None
     reserved: bool = False
@@ -108,8 +108,6 @@ class Holder:
     queued: bool = False
     cooldown: bool = False
     """Nobody holds it: the run of ``owner_id`` ended, and the key stays taken until its cooldown runs out."""
-    taken_ms: int | None = None
-    """When it was taken, Unix ms by the taking host's clock (``at`` in its metadata), when known."""
 
     @classmethod
     def parse(cls, key: str, value: str | bytes, ttl_ms: int) -> Holder:
@@ -129,7 +127,6 @@ class Holder:
             fencing_token=int(fence) if fence.isdigit() and fence != "0" else None,
             reserved=token.startswith("~"),
             cooldown=token == "=" and bool(meta.get("cooldown")),
-            taken_ms=meta["at"] if isinstance(meta.get("at"), int) else None,
         )
 
 
@@ -215,6 +212,9 @@ class Lock:
     """Its part of a renewal command, packed once by :func:`~celery_singleton_lock.engine.wire.pack_renewals`."""
     acquired_at: float = field(default=-1.0, repr=False)
     """``time.monotonic()`` when the acquire was sent (how long it was held: RELEASE's ``presend``)."""
+    fresh: bool = field(default=False, repr=False)
+    """Taken by a fresh delivery's acquire (ACQUIRE_FRESH): nobody was in line, so its release tries the
+    lightest script first."""
     depth: int = 1
     """How many nested holds of its thread share this handle (see :mod:`~celery_singleton_lock.engine.reentry`):
     1 for the outermost; only the outermost exit releases."""

@@ -161,26 +161,6 @@ class ScriptClient:
                 raise
         raise AssertionError("unreachable")
 
-    def plain(self, *commands: Sequence[str]) -> list[Any]:
-        """Plain commands in ONE write on this thread's held connection, every reply read (an error
-        reply kept in its place, not raised): one round trip, no script. A connection found broken is
-        replaced and the commands sent once more, as in :meth:`_call` (the caller makes them safe to repeat)."""
-        data = b"".join(wire.pack_plain(words) for words in commands)
-        conn = self._held_conn()
-        for attempt in (1, 2):
-            try:
-                exchange.send(conn, data)
-                return exchange.read(conn, len(commands))
-            except RedisConnectionError:
-                conn.disconnect()
-                if attempt == 2:
-                    raise
-                conn.connect()
-            except BaseException:
-                _out_of_step(conn)
-                raise
-        raise AssertionError("unreachable")
-
     def error(self, exc: Exception, key: str) -> LockError:
         """Our error for a redis-py one: transient (try again) or a refusal (fix something)."""
         return refusals.classify(exc, self.url, key)

@@ -126,8 +126,7 @@ ACQUIRE = _HAND_OFF + """
 -- (A fresh delivery runs ACQUIRE_FRESH instead.)
 -- Returns {1, fence} taken; {0, value, pttl} held (value '' and pttl -2: free,
 -- but waiters are in line); {2, value or nil} already succeeded (value: what
--- its body returned, if recorded); {3} the entry is gone. A take-back that finds its first
--- attempt jumped the line returns {0, '', -2, hand-offs...}: the key went to the first waiter.
+-- its body returned, if recorded); {3} the entry is gone.
 local now, t = clock()
 if ARGV[7] == '1' then
   local until_ms = redis.call('ZSCORE', DONE, ARGV[4])
@@ -139,13 +138,6 @@ if held then
   local old = ARGV[6]
   if old ~= '' and string.sub(held, 1, #old + 1) == old .. ' ' then
     local fence = string.match(held, '^%S+ (%d+)')
-    if entry == '' and fence == '0' and redis.call('EXISTS', LINE) == 1
-        and not string.find(held, ',"line":1}', -10, true) then
-      -- its first attempt was a plain SET that took the free key while waiters were in line (it
-      -- jumped it, and its give-back was lost): the key goes to the first of them, not back to it
-      redis.call('DEL', LOCK)
-      return hand_off(now, '', {0, '', -2})
-    end
     -- ours since the lost reply. Taken back under the NEW token: a second message
     -- carrying the old one (a redelivery of the re-send) finds it held
     redis.call('SET', LOCK, holding(ARGV[1], fence, ARGV[2]), 'PX', ARGV[3])

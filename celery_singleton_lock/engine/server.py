@@ -113,10 +113,6 @@ class LockServer(ScriptClient):
     """What it can do (see :class:`LockBackend`): everything, on one Redis (and Sentinel and Cluster)."""
     may_lose_data = True
 
-    plain_set = True
-    """A fresh acquire is a plain SET NX GET (no script: :mod:`.fresh`); turned off for good on a
-    server that refuses NX with GET (Redis 6.2), and by topologies that send one command per call."""
-
     def __init__(self, client: redis.Redis, *, url: str | None = None, min_replicas: int = 0,
                  replica_timeout: float = DEFAULT_REPLICA_TIMEOUT) -> None:
         super().__init__(client, url=url, min_replicas=min_replicas, replica_timeout=replica_timeout)
@@ -194,14 +190,11 @@ class LockServer(ScriptClient):
         token = token or secrets.token_hex(TOKEN_BYTES)
         sent = time.monotonic()
         try:
-            reply: Any = None
             fresh = not (entry or take_back or check_done)
-            if fresh and self.plain_set and not self.min_replicas:  # a fresh delivery: no script at all
-                reply = fresh_path.take_plain(self, key, token, owner_id, ttl)
-            if fresh and reply is None:  # (Redis 6.2, or replicas to wait for: the small script)
-                reply = self.run(scripts.ACQUIRE_FRESH, (key, layout.line(key)), (token, wire.meta(owner_id), ms(ttl)),
-                                 replicated=True)
-            elif not fresh:
+            if fresh:  # a fresh delivery: the small script
+                reply: Any = self.run(scripts.ACQUIRE_FRESH, (key, layout.line(key)),
+                                      (token, wire.meta(owner_id), ms(ttl)), replicated=True)
+            else:
                 reply = self.run(
                     scripts.ACQUIRE,
                     self.keys_for(key),
@@ -228,8 +221,7 @@ class LockServer(ScriptClient):
             status = int(reply[0])
             fence = int(reply[1]) if status == 1 else 0
         if status == 1:
-            kind = Lock if fence else fresh_path.FencedLater  # (a fence of 0: drawn when first read)
-            lock = kind(self, key, token, fence, ttl, owner_id, confirmed_at=sent)
+            lock = Lock(self, key, token, fence, ttl, owner_id, confirmed_at=sent, fresh=type(reply) is int)
             late = time.monotonic() - sent
             if late >= ttl / 3:
                 self._give_back(lock)
@@ -242,8 +234,6 @@ class LockServer(ScriptClient):
             return Done(reply[1]) if len(reply) > 1 and reply[1] else Verdict.ALREADY_SUCCEEDED
         if status == 3:
             return Verdict.ENTRY_GONE
-        if len(reply) > 3:  # a take-back whose first attempt jumped the line: the key went to its head
-            self.dispatch(tuple(Handoff.parse(key, item) for item in reply[3:]))
         return Holder.parse(key, reply[1], int(reply[2]))
 
     def _give_back_unreplicated(self, lock: Lock, acked: int) -> None:
@@ -284,7 +274,7 @@ class LockServer(ScriptClient):
         """
         if lock.pid != os.getpid():
             return Released(Release.NOT_HERE)
-        if type(lock) is fresh_path.FencedLater and not (remember or again or cooldown):  # the lightest way
+        if lock.fresh and not (remember or again or cooldown):  # the lightest way
             if self.run(fresh_path.RELEASE_FRESH, (lock.key,), (lock.prefix,)) == 1:
                 lock.released = True
                 return Released(Release.DELETED)  # (else: a line, or gone)

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import socket
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,17 +42,6 @@ def _pack_bytes(sha: str, keys: Sequence[str], args: Sequence[Any]) -> bytes:
         3 + len(keys) + len(args), sha.encode(), len(nkeys), nkeys)]
     for arg in (*keys, *args):
         data = arg if isinstance(arg, bytes) else str(arg).encode()
-        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(parts)
-
-
-def pack_plain(words: Sequence[str]) -> bytes:
-    """A plain command (``SET key value NX ...``) in RESP; str words, encoded once when all ASCII."""
-    if all(word.isascii() for word in words):
-        return (f"*{len(words)}\r\n" + "".join(f"${len(word)}\r\n{word}\r\n" for word in words)).encode()
-    parts = [b"*%d\r\n" % len(words)]
-    for word in words:
-        data = word.encode()
         parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(parts)
 
@@ -95,11 +83,9 @@ def pack_wait(replicas: int, timeout_ms: int) -> bytes:
 _static = (-1, "")
 
 
-def meta(owner_id: str | None, *, at: bool = False) -> str:
-    """The lock value's metadata, for operators: owner, host, pid; with ``at``, also when it was taken by
-    this host's clock (Unix ms: how long a lock is held before its fencing token is drawn, see
-    :mod:`.fresh`). Only the owner (and the time) change per call; without ``at`` the same owner gives the
-    same bytes again (etcd's release compares them)."""
+def meta(owner_id: str | None) -> str:
+    """The lock value's metadata, for operators: owner, host, pid. Only the owner changes per call: the
+    same owner gives the same bytes again (etcd's release compares them)."""
     global _static
     pid = os.getpid()
     if _static[0] != pid:  # made once per process (and again after a fork)
@@ -110,8 +96,6 @@ def meta(owner_id: str | None, *, at: bool = False) -> str:
         owner = '"' + owner_id + '"'
     else:
         owner = json.dumps(owner_id)
-    if at:
-        return '{"owner":' + owner + _static[1] + ',"at":' + str(int(time.time() * 1000)) + "}"
     return '{"owner":' + owner + _static[1] + "}"
 
 

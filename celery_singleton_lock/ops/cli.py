@@ -34,7 +34,7 @@ from typing import Any
 
 import click
 
-from ..engine import fresh, layout
+from ..engine import layout
 from ..exceptions import LockKeyError
 from ..topologies.etcd import EtcdLockServer
 from . import etcd_ops
@@ -132,8 +132,6 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     (secs, micros), value, pttl, entries, records, done = target.run(read, node_of_key(target.server, key).client)
     now_us = secs * 1_000_000 + micros
     now_ms = now_us // 1000
-    if value is not None and not target.majority:
-        value = fresh.with_fence(target.server, key, value)  # (a fresh task's: drawn now, as its holder will read it)
     row = lock_row(key, task, value, pttl, len(entries), now_us) if value is not None else None
     if target.majority:  # a quorum: every member read, and the majority's verdict
         row = read_one(target, key, task)

@@ -83,10 +83,7 @@ def worker_report(pool: Any) -> dict[str, Any]:
     locks = []
     for proc in processes:
         for lock in proc.pop("locks"):
-            fence = lock.get("fencing_token")
-            by_clock = not str(lock.get("server", "")).startswith(("etcd://", "etcds://"))  # etcd's is a revision
-            stamps = [t for t in (fence / 1e6 if fence and by_clock else None, lock.get("taken_at")) if t]
-            taken = min(stamps) if stamps else None  # (a fence drawn on first read is later than the take)
+            taken = lock.get("taken_at")  # (the holder's host clock at its acquire)
             held_for = max(0.0, now - taken) if taken else None
             locks.append({"pid": proc["pid"], "held_for": None if held_for is None else round(held_for, 3), **lock})
     locks.sort(key=lambda lock: -(lock["held_for"] or 0.0))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ..engine import fresh, layout
+from ..engine import layout
 from ..topologies.etcd import EtcdLockServer
 from . import etcd_ops
 from .base import CliError, Target, fail
@@ -83,9 +83,7 @@ def read_batch(target: Target, batch: list[tuple[str, str]],
         if value is None or isinstance(value, Exception):
             continue
         pttl = pttl if isinstance(pttl, int) else -2
-        value = fresh.with_fence(target.server, key, value)  # (a fresh task's: drawn now, as its holder will read it)
-        if value is not None:
-            out.append((key, name, value, pttl, waiters if isinstance(waiters, int) else 0))
+        out.append((key, name, value, pttl, waiters if isinstance(waiters, int) else 0))
     return now_us, out
 
 

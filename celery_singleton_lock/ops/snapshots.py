@@ -40,13 +40,13 @@ def watchdog_snapshot(wd: Watchdog) -> dict[str, Any]:
     anyone who can inspect the worker.
     """
     tracked, failing = wd.tracked_now()
-    now = time.monotonic()
+    now, wall = time.monotonic(), time.time()
     locks = [
         {
             "key": lock.key,
             "task_id": lock.owner_id,
             "fencing_token": lock.known_fence(),
-            "taken_at": getattr(lock, "taken_at", None),  # (a lock whose token is drawn when first read)
+            "taken_at": round(wall - (now - lock.acquired_at), 3),  # (this host's clock, from its own monotonic)
             "ttl": lock.ttl,
             "confirmed_ago": round(now - lock.confirmed_at, 3),
             "deadline_in": round(lock.deadline - now, 3),

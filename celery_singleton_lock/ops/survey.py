@@ -89,11 +89,11 @@ def expiry(ttl_ms: int) -> str:
 
 
 def held_ms(holder: Holder, now_us: int) -> int | None:
-    """Since when ``holder`` holds its key: the earlier of its fencing token (the lock Redis's clock
-    when it was drawn: at the acquire, or on its first read for a lock a fresh task took) and the
-    taking host's clock at the acquire (``at``); None when neither is known."""
-    starts = [t for t in (holder.fencing_token and holder.fencing_token // 1000, holder.taken_ms) if t]
-    return max(0, now_us // 1000 - min(starts)) if starts else None
+    """Since when ``holder`` holds its key: its fencing token is the lock Redis's clock at the acquire
+    (microseconds); None for a value with none (a reservation, a cooldown)."""
+    if not holder.fencing_token:
+        return None
+    return max(0, now_us // 1000 - holder.fencing_token // 1000)
 
 
 def lock_row(key: str, task: str, value: bytes | str, pttl: int, waiters: int, now_us: int) -> dict[str, Any]:

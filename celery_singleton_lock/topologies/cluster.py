@@ -68,8 +68,6 @@ class ClusterLockServer(LockServer):
     pipelines_sent = 0
     """Renewal pipelines sent (one per node per round), for the benchmarks."""
 
-    plain_set = False  # (a fresh acquire stays one EVALSHA here: _on_slot follows redirects for one reply)
-
     def __init__(self, startup: Sequence[tuple[str, int]], *, url: str, connection_kwargs: dict[str, Any]) -> None:
         self.startup = [(str(h), int(p)) for h, p in startup]
         self._connection_kwargs = dict(connection_kwargs)

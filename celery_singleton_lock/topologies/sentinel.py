@@ -122,11 +122,6 @@ class SentinelLockServer(LockServer):
     and in any case on a READONLY reply from a demoted master or a lost connection.
     """
 
-    plain_set = False
-    """A fresh acquire stays ACQUIRE_FRESH here, its fence drawn at once: a fence drawn later (see
-    :mod:`..engine.fresh`) could be drawn on a demoted master that still takes writes, after a newer
-    holder drew a smaller one on the promoted master, and fencing would run backwards."""
-
     follow_switches = True
     """Listen for Sentinel's switch announcements (False: only READONLY / a lost connection move a
     connection, as with redis-py alone; kept for measuring what listening buys)."""
