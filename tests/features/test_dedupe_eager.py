@@ -7,6 +7,7 @@ import threading
 import uuid
 
 import pytest
+from _apps import celery_cli
 from conftest import make_app
 
 from celery_singleton_lock import LockedTask
@@ -126,8 +127,6 @@ def test_merge_goes_into_a_parked_task_only(redis_server):
 
 def test_celery_locks_shows_a_cooldown_with_the_time_left(worker_app):
     """`celery locks list` and `show` print a cooldown as such (no holder), with the time left."""
-    from test_cli import celery_cli
-
     server = LockServer.from_url(worker_app.app.conf.singleton_lock_url)
     key = worker_app.hold.lock_key_for([f"cool-{uuid.uuid4().hex[:6]}", 1])
     lock = server.acquire(key, 5, owner_id="the-last-run")

@@ -31,7 +31,7 @@ from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wa
 
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60
 
 

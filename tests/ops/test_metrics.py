@@ -20,7 +20,7 @@ from celery_singleton_lock.testing.servers import WorkerProcess, free_port, wait
 
 pytest.importorskip("prometheus_client")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "metrics")
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 URLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]

@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import uuid
 
 import pytest
 import redis
-from _task_support import ROOT, collect_results, locked  # noqa: F401 - autouse: gc while Redis runs
+from _apps import celery_cli as run_celery_cli
+from _task_support import collect_results, locked  # noqa: F401 - autouse: gc while Redis runs
 from celery.bin.base import CLIContext
 from click.testing import CliRunner
 from conftest import make_app
@@ -43,12 +42,8 @@ HOLD = "apps.worker_app.in_line"
 
 
 def celery_cli(*args: str, env: dict[str, str] | None = None, input: str | None = None):
-    """``python -m celery -A apps.worker_app <args>`` as the fixtures run workers (cwd tests/)."""
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "apps.worker_app", *args],
-        cwd=ROOT / "tests", input=input, capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), **ENV, **(env or {})},
-    )
+    """``python -m celery -A apps.worker_app <args>`` with the workers' lock TTL (ENV) as the fixtures run them."""
+    return run_celery_cli(*args, env={**ENV, **(env or {})}, input=input)
 
 
 def one_line_error(proc) -> str:

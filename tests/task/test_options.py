@@ -21,7 +21,7 @@ from celery_singleton_lock.delivery.options import unknown_settings
 
 pytestmark = pytest.mark.timeout(60)
 
-PACKAGE = Path(__file__).resolve().parent.parent / "celery_singleton_lock"
+PACKAGE = Path(__file__).resolve().parents[2] / "celery_singleton_lock"
 
 
 def define(base: type = LockedTask, **options) -> None:

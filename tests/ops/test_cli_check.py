@@ -14,7 +14,7 @@ import pytest
 
 from celery_singleton_lock.testing.servers import RedisServer, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(120)
 

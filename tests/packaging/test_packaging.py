@@ -28,7 +28,7 @@ import pytest
 
 import celery_singleton_lock
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "celery_singleton_lock"
 VERSION = celery_singleton_lock.__version__
 

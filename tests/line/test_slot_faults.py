@@ -25,7 +25,7 @@ from _task_support import assert_no_overlap
 from celery_singleton_lock.engine import layout, line_scripts, scripts
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 40
 QUIET = 2.0  # after the last expected run: long enough for a late twin (a re-send, a recovered copy) to run
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "celery_singleton_lock"
+PACKAGE = Path(__file__).resolve().parents[2] / "celery_singleton_lock"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,7 +17,7 @@ import celery_singleton_lock
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
 URL = "https://github.com/celery-singleton-lock/celery-singleton-lock"

@@ -27,7 +27,7 @@ from celery_singleton_lock.testing.servers import wait_until
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "how-to" / "testing.md"
 
 # the sample run: -p no:celery leaves out pytest-celery's plugin, so the documented

@@ -23,7 +23,7 @@ from celery_singleton_lock.exceptions import LockError, LockKeyError
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "csl"
 TASK = "shop.deduct"
 
@@ -682,7 +682,7 @@ class Anything:
         return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else self
 
 sys.modules["pytest"] = Anything()
-sys.path.insert(0, os.path.join(root, "tests"))
+sys.path.insert(0, os.path.join(root, "tests", "unit"))
 import test_keys
 assert "celery" not in sys.modules and "redis" not in sys.modules, "keys.py must stay pure stdlib"
 print(json.dumps({"version": list(sys.version_info[:3]), "keys": test_keys.golden_keys()}))
