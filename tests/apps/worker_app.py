@@ -290,7 +290,7 @@ def errback_journal(request, exc, traceback) -> None:
     journal.rpush("handoff:errbacks", json.dumps({"id": request.id, "exc": type(exc).__name__, "msg": str(exc)}))
 
 
-# -- for tests/test_reliability.py ----------------------------------------------------------
+# -- for tests/test_task_faults.py ----------------------------------------------------------
 
 from celery.signals import task_prerun  # noqa: E402 - this section is appended for one test module
 
@@ -375,7 +375,7 @@ def hold_until_lost(self, key: str, limit: float = 30.0) -> dict:
     self.lock.ensure()
     return {"pid": os.getpid(), "lost": False}
 
-# -- for tests/test_line_load.py (the line under a backlog, a slow broker, revoke) -------------
+# -- for tests/test_line_backlog.py (the line under a backlog, a slow broker, revoke) -------------
 
 if os.environ.get("CSL_BROKER_URL"):  # e.g. RabbitMQ
     app.conf.broker_url = os.environ["CSL_BROKER_URL"]

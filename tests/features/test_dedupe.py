@@ -1,4 +1,4 @@
-"""Issue 20 through real prefork workers and a real broker: dedupe at publish (join, raise),
+"""Dedupe through real prefork workers and a real broker: at publish (``lock_publish``: join, raise),
 ``on_duplicate="coalesce"`` and ``lock_cooldown``.
 
 Two worker nodes (prefork, 2 children each) run tests/apps/dedupe_app.py on a redis-server of

@@ -1,5 +1,6 @@
-"""Issue 20's options in eager mode (``apply()``) and at the engine, against a real redis-server:
-what a test suite running tasks eagerly sees, and the scripts' own edges."""
+"""The dedupe options (``lock_publish``, coalesce, ``lock_cooldown``) in eager mode (``apply()``) and at
+the engine, against a real redis-server: what a test suite running tasks eagerly sees, and the
+scripts' own edges."""
 
 from __future__ import annotations
 

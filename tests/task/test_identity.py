@@ -1,13 +1,17 @@
-"""Regression tests for the redesign's findings about identity, eager nesting, settings, forks,
-releases and the watchdog (the issue's findings 2, 9-17 and the ``duplicate_skipped`` promise).
+"""Whose lock is whose, and what an execution does with its own: eager nesting never deadlocks, bad
+watchdog settings fail before any lock, servers are told apart by their credentials, a forked child
+never releases its parent's lock, nothing interrupts a release half-way, a slow lock_lost receiver
+costs no healthy lock, each budget has its own counter, a re-send retakes its own orphan lock,
+.ensure() and the watchdog share one deadline, a release is retried within bounds, and
+``duplicate_skipped`` names every policy. One section each.
 
-Each test names its finding. Everything runs against a real redis-server (private, on a free
-port) and, where a worker is involved, a real Celery worker; faults are real too (SIGSTOP of
-the lock Redis, a real fork, ACL users), except that the finding-12 tests inject one exception
-into one call (an asynchronous exception landing at a chosen point cannot be produced on demand).
+Everything runs against a real redis-server (private, on a free port) and, where a worker is
+involved, a real Celery worker; faults are real too (SIGSTOP of the lock Redis, a real fork, ACL
+users), except that the tests of an interrupted release inject one exception into one call (an
+asynchronous exception landing at a chosen point cannot be produced on demand).
 
-Timing bounds here are deadlines for "does not hang", far below what the old behaviour took
-(minutes, a lock TTL of 30 s, ~30 s of release retries), never benchmarks.
+Timing bounds here are deadlines for "does not hang", far below what a hang would take (minutes,
+a lock TTL of 30 s, ~30 s of release retries), never benchmarks.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ pytestmark = pytest.mark.timeout(60)
 def within(seconds: float, fn, *args, **kwargs):
     """Run ``fn`` in a daemon thread; its value, or AssertionError if it is not done in ``seconds``.
 
-    What hung before the fixes (an eager self-deadlock) must fail the test, not hang the suite.
+    A hang (an eager self-deadlock) must fail the test, not hang the suite.
     """
     box: dict = {}
 
@@ -73,12 +77,12 @@ def messages(caplog, level: int = logging.WARNING) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= level]
 
 
-# -- finding 2: eager mode deadlocked on itself --------------------------------------------------
+# -- eager mode never deadlocks on itself --------------------------------------------------------
 
 
 @pytest.mark.timeout(20)
 def test_eager_replace_with_same_task_and_key_runs_reentrantly(redis_server, caplog):
-    """(2a) Celery's eager replace() reuses the task id: the replacement runs at once under the
+    """Celery's eager replace() reuses the task id: the replacement runs at once under the
     caller's lock and its value comes back; nothing is re-queued, and the key is free after."""
     caplog.set_level(logging.INFO, logger="celery_singleton_lock")
     app = make_app(redis_server)
@@ -105,10 +109,10 @@ def test_eager_replace_with_same_task_and_key_runs_reentrantly(redis_server, cap
 
 @pytest.mark.timeout(20)
 def test_eager_nested_duplicate_fails_at_once_with_self_deadlock(redis_server):
-    """(2b) Under task_always_eager, deduct.delay(sku) from inside deduct with the same key and
+    """Under task_always_eager, deduct.delay(sku) from inside deduct with the same key and
     on_duplicate="retry" can never get the lock: it fails AT ONCE with SelfDeadlock (a LockError)
     naming the key and the holder, instead of backing off for ~17 minutes."""
-    # the default back-off (1 s doubling to 30 s, 50 tries): what made the old code wait ~17 minutes
+    # the default back-off (1 s doubling to 30 s, 50 tries): ~17 minutes, were the duplicate backed off
     app = make_app(redis_server, task_always_eager=True)
     app.conf.update(singleton_lock_retry_backoff=1.0, singleton_lock_retry_backoff_max=30.0)
     inner = {}
@@ -129,15 +133,15 @@ def test_eager_nested_duplicate_fails_at_once_with_self_deadlock(redis_server):
     key = deduct.lock_key_for((sku, 1))
     assert error.key == key and error.holder_task_id == inner["holder"]
     assert key in str(error) and inner["holder"] in str(error)
-    assert took < 5.0  # "at once": no back-off (the first back-off alone is 0.5-1 s, the old total ~17 min)
+    assert took < 5.0  # "at once": no back-off (the first back-off alone is 0.5-1 s, all of them ~17 min)
 
 
-# -- finding 9: bad watchdog settings ------------------------------------------------------------
+# -- bad watchdog settings fail before any lock --------------------------------------------------
 
 
 @pytest.mark.timeout(20)
 def test_bad_watchdog_setting_fails_the_first_execution_before_any_lock(fresh_redis, redis_server):
-    """(9) singleton_lock_watchdog_tick="0.1" (a str): the FIRST execution fails with a ValueError
+    """singleton_lock_watchdog_tick="0.1" (a str): the FIRST execution fails with a ValueError
     naming the setting and the value, and no lock is ever taken (nothing reaches the lock Redis)."""
     app = make_app(redis_server, singleton_lock_watchdog_tick="0.1")
     app.conf.singleton_lock_url = fresh_redis.url(2)  # a lock Redis of this test alone: all its traffic is ours
@@ -164,7 +168,7 @@ def test_bad_watchdog_setting_fails_the_first_execution_before_any_lock(fresh_re
 
 @pytest.mark.timeout(20)
 def test_get_watchdog_with_other_options_warns_once_and_returns_the_running_one(caplog):
-    """(9) One watchdog per process: asking for other options returns the running one and logs
+    """One watchdog per process: asking for other options returns the running one and logs
     one WARNING per distinct set of options (not per call, and none for the same options)."""
     caplog.set_level(logging.WARNING)
     wd = get_watchdog()
@@ -180,12 +184,12 @@ def test_get_watchdog_with_other_options_warns_once_and_returns_the_running_one(
     assert wd.tick != odd_tick and wd.chunk != odd_chunk  # the running one is untouched
 
 
-# -- finding 10: servers told apart by their credentials, not by the redacted URL -----------------
+# -- servers told apart by their credentials, not by the redacted URL -----------------------------
 
 
 @pytest.mark.timeout(30)
 def test_credentials_tell_servers_and_watchdog_twins_apart(fresh_redis, redis_server):
-    """(10) Two lock URLs that differ only in their credentials (two ACL users, each allowed only
+    """Two lock URLs that differ only in their credentials (two ACL users, each allowed only
     its own keys) redact to the same text, yet get two LockServers from config.server_for, and
     the watchdog renews each lock through a twin of its OWN server: had one user's connection
     renewed the other's lock, Redis would refuse (NOPERM) and the lock would be lost."""
@@ -239,7 +243,7 @@ def test_credentials_tell_servers_and_watchdog_twins_apart(fresh_redis, redis_se
     assert denied == [], denied  # no command ever ran under the other user's account
 
 
-# -- finding 11: a forked child never releases its parent's lock ---------------------------------
+# -- a forked child never releases its parent's lock ---------------------------------------------
 
 
 class ChildUnwinds(Exception):
@@ -270,7 +274,7 @@ CHILD_DONE = 7  # the child's exit code once it has unwound (whatever unwinding 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_forked_child_unwinding_through_held_leaves_the_parents_lock(redis_server, how):
-    """(11) A process holds a lock via held() and forks; the child raises (or sys.exit()s) inside
+    """A process holds a lock via held() and forks; the child raises (or sys.exit()s) inside
     the block and so unwinds through held(): the parent still holds the lock afterwards (its token
     in Redis, its watchdog renewing it) and releases it itself."""
     server = LockServer.from_url(redis_server.url(2))
@@ -300,7 +304,7 @@ def test_forked_child_unwinding_through_held_leaves_the_parents_lock(redis_serve
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_forked_child_unwinding_through_a_task_leaves_the_parents_lock(redis_server, how):
-    """(11) The same through LockedTask.__call__: the body forks, the child raises (or exits),
+    """The same through LockedTask.__call__: the body forks, the child raises (or exits),
     which runs the task's release in the child; the parent's lock stays, and the parent releases."""
     app = make_app(redis_server)
     locks = redis_server.client(2)
@@ -331,7 +335,7 @@ def test_forked_child_unwinding_through_a_task_leaves_the_parents_lock(redis_ser
     assert locks.get(out["key"]) is None  # released by the parent, at its own end
 
 
-# -- finding 12: the lock is forgotten before anything can interrupt the release -------------------
+# -- the lock is forgotten before anything can interrupt the release -------------------------------
 
 
 class AsyncTimeout(BaseException):
@@ -345,7 +349,7 @@ def _renewals_of(mon: Monitor, key: str) -> list[list[str]]:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("fault", ["SoftTimeLimitExceeded", "AsyncTimeout"])
 def test_exception_inside_the_release_leaves_the_lock_forgotten(fresh_redis, redis_server, monkeypatch, fault):
-    """(12) An exception raised from inside the release step (a soft time limit, a gevent-style
+    """An exception raised from inside the release step (a soft time limit, a gevent-style
     Timeout) must not leave the lock tracked: the watchdog no longer holds it, and no renewal of
     its key is ever sent again (it expires by its TTL)."""
     from billiard.exceptions import SoftTimeLimitExceeded
@@ -389,10 +393,9 @@ def test_exception_inside_the_release_leaves_the_lock_forgotten(fresh_redis, red
 
 @pytest.mark.timeout(30)
 def test_exception_before_forget_completes_is_cleaned_up_by_the_safety_net(fresh_redis, redis_server, monkeypatch):
-    """(12) The window the old code had: the handle was dropped from the request, then an
-    asynchronous exception hit before forget() was done, so task_postrun found nothing to release
-    and the watchdog renewed the lock forever. Now the handle stays until forget() has returned:
-    the safety net forgets and releases it, and no renewal is sent after."""
+    """An asynchronous exception hits before forget() is done: the handle stays on the request until
+    forget() has returned, so the safety net (task_postrun) still finds it, forgets and releases it,
+    and no renewal is sent after (the watchdog would otherwise renew the lock for ever)."""
     from billiard.exceptions import SoftTimeLimitExceeded
 
     app = make_app(redis_server)
@@ -427,12 +430,12 @@ def test_exception_before_forget_completes_is_cleaned_up_by_the_safety_net(fresh
         assert _renewals_of(mon, lock.key) == []
 
 
-# -- finding 13: slow lock_lost receivers run off the renewal thread ------------------------------
+# -- slow lock_lost receivers run off the renewal thread ------------------------------------------
 
 
 @pytest.mark.timeout(30)
 def test_slow_lost_lock_receiver_does_not_cost_a_healthy_lock(fresh_redis):
-    """(13) Two locks renewed by one watchdog; one is deleted from outside (lost) and its on_lost
+    """Two locks renewed by one watchdog; one is deleted from outside (lost) and its on_lost
     callback (what fires lock_lost) takes 2.5 s, longer than the other lock's TTL. The other lock
     keeps being renewed during and after, and is never lost."""
     server = LockServer.from_url(fresh_redis.url(2))
@@ -504,12 +507,12 @@ def ours(headers: dict) -> dict:
     return {k: v for k, v in (headers or {}).items() if str(k).startswith("singleton_lock_")}
 
 
-# -- finding 14: one attempt counter for everything ----------------------------------------------
+# -- a counter per budget: our back-off re-sends, the task's own retries -------------------------
 
 
 @pytest.mark.timeout(60)
 def test_own_retry_after_backoff_resends_starts_afresh_and_counters_are_separate(redis_server, run_worker):
-    """(14) A "backoff" duplicate is re-sent twice while the holder runs, then runs and calls
+    """A "backoff" duplicate is re-sent twice while the holder runs, then runs and calls
     self.retry(): the retry message carries no singleton_lock_* header (Celery 5.7 copies custom
     headers into retries), so the retried run starts every budget at 0 (Celery's own retries = 1).
     The back-off counter is its own header: a message that already carries
@@ -519,7 +522,7 @@ def test_own_retry_after_backoff_resends_starts_afresh_and_counters_are_separate
     app = make_app(redis_server, task_default_queue=queue)
     app.conf.update(singleton_lock_retry_backoff=0.3, singleton_lock_retry_backoff_max=0.6)
     gates, runs = Gates(), Runs()
-    prefix = f"identity14_{uuid.uuid4().hex[:6]}"
+    prefix = f"identity_counters_{uuid.uuid4().hex[:6]}"
 
     @locked(app, lock_key=["k"], on_duplicate="backoff", lock_max_retries=50, name=f"{prefix}.job")
     def job(self, k, mode):
@@ -560,12 +563,12 @@ def test_own_retry_after_backoff_resends_starts_afresh_and_counters_are_separate
     assert retried.info["ours"] == {}  # every lock budget starts at 0 again
 
 
-# -- finding 15: a reply lost on a socket timeout: the re-send retakes its own orphan lock ---------
+# -- a reply lost on a socket timeout: the re-send retakes its own orphan lock ---------------------
 
 
 @pytest.mark.timeout(60)
 def test_resend_after_a_lost_acquire_reply_retakes_its_orphan_lock(fresh_redis, redis_server, run_worker):
-    """(15) The lock Redis (not the broker's) stalls right as a task's acquire is sent: the client
+    """The lock Redis (not the broker's) stalls right as a task's acquire is sent: the client
     times out (socket_timeout 0.3 s, no client retries), then Redis wakes and runs the acquire
     late, leaving a lock under the task's own id that nobody holds. The re-sent copy carries that
     attempt's token (header singleton_lock_token) and retakes it: it runs once, at once, far
@@ -578,7 +581,7 @@ def test_resend_after_a_lost_acquire_reply_retakes_its_orphan_lock(fresh_redis, 
     app.conf.singleton_lock_url = fresh_redis.url(2)
     app.conf.singleton_lock_redis_options = {"socket_timeout": 0.3, "retry": Retry(NoBackoff(), 0)}
     runs = Runs()
-    prefix = f"identity15_{uuid.uuid4().hex[:6]}"
+    prefix = f"identity_orphan_{uuid.uuid4().hex[:6]}"
 
     @locked(app, lock_key=["k"], lock_ttl=30, name=f"{prefix}.job")
     def job(self, k):
@@ -611,7 +614,7 @@ def test_resend_after_a_lost_acquire_reply_retakes_its_orphan_lock(fresh_redis, 
             fresh_redis.resume()
     assert stalled.is_set()
     assert [r.task_id for r in runs.of("k")] == [target]  # once
-    assert took < 10.0  # at once: the old re-sends waited out the orphan's 30 s ttl
+    assert took < 10.0  # at once: not after the orphan's 30 s ttl ran out
     resends = [h for h in published.of(target) if "singleton_lock_token" in h]
     assert resends, "the acquire never timed out: the scenario did not run"
     [lost] = {h["singleton_lock_token"] for h in resends}  # the lost attempt's token, carried
@@ -622,12 +625,12 @@ def test_resend_after_a_lost_acquire_reply_retakes_its_orphan_lock(fresh_redis, 
     assert runs.of("k")[0].info["token"] != lost
 
 
-# -- finding 16: .ensure() and the watchdog use one deadline --------------------------------------
+# -- .ensure() and the watchdog use one deadline --------------------------------------------------
 
 
 @pytest.mark.timeout(30)
 def test_ensure_and_the_watchdog_agree_on_the_deadline(fresh_redis):
-    """(16) Two locks tracked by a watchdog whose Redis stops answering. One is polled with
+    """Two locks tracked by a watchdog whose Redis stops answering. One is polled with
     ensure() from the task's side, the other is left to the watchdog: ensure() starts raising at
     lock.deadline (confirmed + ttl - margin), not at the full TTL, and the watchdog reports the
     other at its deadline too, within a tick or two (plus its one blocked round)."""
@@ -669,7 +672,7 @@ def test_ensure_and_the_watchdog_agree_on_the_deadline(fresh_redis):
     assert reported[0] < watched.confirmed_at + ttl
 
 
-# -- finding 17: release retries -------------------------------------------------------------------
+# -- release retries, within bounds ----------------------------------------------------------------
 
 
 def _release_app(redis_server: RedisServer, lock_redis: RedisServer, release_timeout: float = 0.5):
@@ -694,7 +697,7 @@ def _release_app(redis_server: RedisServer, lock_redis: RedisServer, release_tim
 
 @pytest.mark.timeout(20)
 def test_release_retry_after_a_late_first_try_reports_the_lock_deleted(fresh_redis, redis_server, caplog):
-    """(17a) The first release try times out but Redis runs it late (it deletes the lock); the
+    """The first release try times out but Redis runs it late (it deletes the lock); the
     second try then finds the key gone. That lock was ours and is deleted: lock_released says
     deleted=True, and there is no "no longer held" WARNING."""
     caplog.set_level(logging.WARNING, logger="celery_singleton_lock")
@@ -713,7 +716,7 @@ def test_release_retry_after_a_late_first_try_reports_the_lock_deleted(fresh_red
 
 @pytest.mark.timeout(20)
 def test_stalled_lock_redis_holds_a_task_end_at_most_two_release_timeouts(fresh_redis, redis_server, caplog):
-    """(17b) The lock Redis stalls as the body ends and stays stalled: the release gives up after
+    """The lock Redis stalls as the body ends and stays stalled: the release gives up after
     about 2 x singleton_lock_release_timeout (0.5 s), and the task ends with its own outcome,
     instead of waiting ~30 s of 10 s socket timeouts."""
     caplog.set_level(logging.WARNING, logger="celery_singleton_lock")

@@ -235,7 +235,7 @@ def test_a_redelivered_task_that_never_finished_waits_its_turn_even_under_skip(e
     wait_until(lambda: env.runs.of(k, c.id), TIMEOUT, what="C to hold the key")
     lost_id = str(uuid.uuid4())  # a task whose first delivery never finished
     # its run had started: with track_started, STARTED is what it left (a task that never started
-    # leaves nothing, and then its redelivery meets the policy: see test_line_identity)
+    # leaves nothing, and then its redelivery meets the policy: see test_line_recovery)
     env.app.backend.store_result(lost_id, {"pid": -1, "hostname": "died"}, "STARTED")
     redeliver(env.broker, env.late_skip, (k, "ok"), lost_id, env.queue)
     event = rec.wait("duplicate", lost_id)[0]
@@ -278,7 +278,7 @@ def test_a_fresh_message_reusing_a_finished_task_id_runs(env, rec):
 
 
 def test_an_eager_run_reusing_a_finished_task_id_runs(env, rec):
-    """An eager run is never a redelivery (finding: EagerResult.get() returned None)."""
+    """An eager run is never a redelivery: it runs, and EagerResult.get() returns its value (not None)."""
     k = fresh("eager-reuse")
     a = env.late.delay(k, "ok")
     assert a.get(timeout=TIMEOUT) == f"ok by {a.id}"

@@ -1,12 +1,13 @@
 """The lock URL: where it comes from, how Celery's spellings reach redis-py, what logs show of it,
 and the eviction-policy check.
 
-Findings from an issue, one section each:
+One section each:
 
-1. no Redis configured must be an error, never a silent per-host ``redis://localhost:6379/0``;
-2. a Celery-valid ``rediss://...?ssl_cert_reqs=CERT_REQUIRED`` must reach redis-py as ``required``;
+1. no Redis configured is an error, never a silent per-host ``redis://localhost:6379/0``;
+2. a Celery-valid ``rediss://...?ssl_cert_reqs=CERT_REQUIRED`` reaches redis-py as ``required``;
 3. passwords in the query string (and each part of a ``;``-separated Sentinel list) are masked;
-4. a ``maxmemory-policy`` other than ``noeviction`` gets one warning per URL and process.
+4. a ``maxmemory-policy`` other than ``noeviction`` gets one warning per URL and process;
+5. Sentinel and Cluster URLs: Celery's Sentinel form, ``redis+cluster://``, and their transport options.
 
 Nothing here connects to 127.0.0.1:6379: URLs are compared as strings, turned into clients
 without connecting (``connection_kwargs``, ``make_connection()``), or point at private servers.

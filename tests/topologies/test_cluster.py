@@ -207,10 +207,10 @@ def test_the_task_contract_on_a_cluster(cluster, redis_server):
 
 
 def test_parks_lost_with_a_shard_are_sent_again_though_the_index_epoch_did_not_change(cluster, server):
-    """(issue 17, Major 5) The lock's shard loses its data (its master's keys are gone: a shard
-    restarted empty) while the sweeper's index, and its epoch, live on another shard and keep theirs.
-    The parking process's sweeper still sends the lost park again, marked recovered, within a few of
-    its looks (before: it read only the epoch, pruned its backup copy, and the task stayed WAITING)."""
+    """The lock's shard loses its data (its master's keys are gone: a shard restarted empty) while the
+    sweeper's index, and its epoch, live on another shard and keep theirs. The parking process's
+    sweeper still sends the lost park again, marked recovered, within a few of its looks: it does not
+    go by the epoch alone, nor prune its backup copy on the epoch's word (the task would stay WAITING)."""
     index = queue.index_key(f"p{uuid.uuid4().hex[:6]}")
     name = next(n for n in (f"shard-{uuid.uuid4().hex[:6]}" for _ in range(100))
                 if cluster.node_for_key("{" + n + "}").port != cluster.node_for_key(index).port)
@@ -244,7 +244,7 @@ def test_parks_lost_with_a_shard_are_sent_again_though_the_index_epoch_did_not_c
 
 
 def test_celery_locks_list_show_and_release_see_every_master(cluster, server, redis_server):
-    """(issue 18) A SCAN of one node sees only its keys: ``celery locks`` scans every master, and
+    """A SCAN of one node sees only its keys: ``celery locks`` scans every master, and
     reads and releases each key on the master of its slot."""
     import json
 

@@ -3,7 +3,7 @@ etcd member: FIFO by create revision, the release's two steps and what moves a l
 came (the next acquirer, the sweeper), claims and their identity, deadlines, and leaving.
 
 The same line under real Celery workers (every SIGKILL point, redeliveries) runs in test_handoff.py,
-test_line_identity.py and test_task_*.py, parametrized over the backend; a leader change in
+test_line_recovery.py and test_task_*.py, parametrized over the backend; a leader change in
 test_etcd_cluster.py.
 """
 

@@ -166,11 +166,11 @@ def test_two_servers_restarted_empty_mid_run(quorum, masters):
 
 @pytest.mark.parametrize("run", range(3))
 def test_a_released_lock_never_lingers_after_a_paused_minority_and_an_empty_restart(quorum, masters, run):
-    """The sequence of issue 18: 2 members paused (SIGSTOP) and used through, then resumed; 3 calls
-    of one key in turn; the OTHER 2 members restarted empty; 3 more calls in turn. Each call must
-    take the key. Before: the paused members ran an acquire sent to them before they froze after
-    its release (the release was skipped, or ran first on another connection), so the finished
-    call's lock lingered there and, beside 2 young members, refused the next calls as held."""
+    """The paused-minority sequence: 2 members paused (SIGSTOP) and used through, then resumed; 3 calls
+    of one key in turn; the OTHER 2 members restarted empty; 3 more calls in turn. Each call takes the
+    key: a paused member runs an acquire sent to it before it froze, then that lock's release (never
+    skipped, never first on another connection), so no finished call's lock lingers there to be
+    counted, beside 2 young members, as held against the next calls."""
     key = name()
     tokens: list[int] = []
 
@@ -347,7 +347,7 @@ def test_renewals_reach_a_member_restarted_empty(quorum, masters):
 
 
 def test_two_messages_with_one_lost_attempts_token_never_both_hold_the_lock(quorum):
-    """(issue 17, Major 4, quorum mode) An attempt whose replies were lost left its lock on the
+    """(quorum mode) An attempt whose replies were lost left its lock on the
     masters under token T. The re-send carrying T takes it back, under a new token; a broker
     redelivery of that same message (also carrying T) then finds the key held, not granted twice."""
     name = f"q-{uuid.uuid4().hex[:10]}"
@@ -417,12 +417,12 @@ class Faults:
 def test_jepsen_real_workers_on_five_members_with_random_faults(masters, redis_server, tmp_path):
     """Two worker nodes x 2 prefork children run tasks on 3 keys (on_duplicate="retry", which backs
     off in quorum mode) for JEPSEN_SECONDS while a random minority of the 5 members is paused, killed
-    and restarted empty, or slowed; it opens with issue 18's sequence (2 paused and used through,
-    resumed, the other 2 restarted empty). The history (body start and end, fencing tokens,
+    and restarted empty, or slowed; it opens with the paused-minority sequence (2 paused and used
+    through, resumed, the other 2 restarted empty). The history (body start and end, fencing tokens,
     refusals and the holder they named, results) must show: every call SUCCESS, each body once, no
     two bodies of a key at once, fencing tokens strictly rising per key, and no call refused because
-    of a lock whose task had ended. Before: refusals named finished tasks (their lock lingered on
-    members that ran a late acquire after its release was skipped)."""
+    of a lock whose task had ended (a refusal naming a finished task: its lock lingering on members
+    that ran a late acquire and skipped its release)."""
     for m in masters:
         if m.paused:
             m.resume()
@@ -449,7 +449,7 @@ def test_jepsen_real_workers_on_five_members_with_random_faults(masters, redis_s
             for _ in range(n):
                 calls.append(wa.in_line.delay(rng.choice(keys), 0.05, f"c{len(calls)}"))
 
-        # issue 18's sequence first
+        # the paused-minority sequence first
         masters[0].pause()
         masters[1].pause()
         faults.paused += [masters[0], masters[1]]
@@ -460,7 +460,7 @@ def test_jepsen_real_workers_on_five_members_with_random_faults(masters, redis_s
         time.sleep(1.5)
         faults.kill_and_restart(masters[3])
         faults.kill_and_restart(masters[4])
-        faults.log.append("issue 18's sequence")
+        faults.log.append("the paused-minority sequence")
         end = time.monotonic() + JEPSEN_SECONDS
         while time.monotonic() < end:
             send(2)
@@ -519,8 +519,8 @@ def test_the_quorum_drift_allowance_survives_the_watchdog(quorum):
 def test_a_redelivery_of_a_running_task_never_runs_again_after_it_succeeded(masters, redis_server):
     """Quorum mode has no line, so a broker redelivery of the running task (acks_late) is re-sent
     with a back-off rather than parked first. The re-send keeps its identity (a header): once the
-    running task succeeded, the copy is dropped, never run again as new work. Before: the re-sent
-    copy was a fresh message, found the key free after the holder's release, and ran the body again."""
+    running task succeeded, the copy is dropped, never run again as new work (as a fresh message
+    would be, finding the key free after the holder's release)."""
     from _task_support import RESTORE_FAST, Gates, Recorder, Runs, locked, redeliver
     from celery.contrib.testing.worker import start_worker
     from conftest import make_app
@@ -566,7 +566,7 @@ def test_a_redelivery_of_a_running_task_never_runs_again_after_it_succeeded(mast
             gates.open_all()
 
 
-# -- the fan-out: one pipelined connection per member, no thread (issue 18) ----------------------------
+# -- the fan-out: one pipelined connection per member, no thread ---------------------------------------
 
 
 def test_no_thread_per_member_and_a_stopped_member_gets_its_commands_in_order(quorum, masters):
@@ -616,7 +616,7 @@ def test_a_member_killed_and_restarted_empty_is_reconnected_with_its_scripts(quo
     assert member.exists("celery_singleton_lock:{quorum}:since") == 1  # it was asked (and answered) again
 
 
-# -- operators see every member (issue 18) -------------------------------------------------------------
+# -- operators see every member -------------------------------------------------------------------------
 
 
 def test_celery_locks_list_show_and_release_read_every_member_with_the_majority_verdict(masters, quorum):
@@ -682,7 +682,7 @@ def test_celery_locks_list_show_and_release_read_every_member_with_the_majority_
 
 
 def test_fencing_tokens_rise_when_members_disagree_and_stay_near_the_members_clocks(quorum, masters, monkeypatch):
-    """(issue 18) Members that agree answer the client's proposed token and keep it as their floor in
+    """Members that agree answer the client's proposed token and keep it as their floor in
     the same script: no second round trip. A member whose floor is ahead answers higher; the token is
     then written back to the others before the acquire returns, so the next token is higher still.
     A client clock far off is pulled into a second of the members' clocks."""
@@ -720,7 +720,7 @@ def test_fencing_tokens_rise_when_members_disagree_and_stay_near_the_members_clo
 
 
 def test_finished_locks_leave_nothing_that_outlives_two_minutes_on_any_member(quorum, masters):
-    """(issue 18, footprint) After many locks on distinct keys, each member keeps only keys that expire
+    """(footprint) After many locks on distinct keys, each member keeps only keys that expire
     within FENCE_KEEP (the fencing floors), besides its one SINCE key: nothing is left after 2 minutes."""
     from celery_singleton_lock.topologies.quorum import FENCE_KEEP, SINCE
 
@@ -738,9 +738,9 @@ def test_finished_locks_leave_nothing_that_outlives_two_minutes_on_any_member(qu
 
 
 def test_a_member_reconnected_many_times_keeps_working(quorum, masters):
-    """(review of the fan-out) Every reconnect to a member used to take a slot of its client's
-    connection pool for good: after 100 (restarts, killed connections) the member was lost to this
-    process ("Too many connections") for its whole life."""
+    """A reconnect to a member gives back its slot of the client's connection pool: after more than
+    100 reconnects (restarts, killed connections) the member still answers, never lost to this
+    process for its whole life ("Too many connections")."""
     key = name()
     admin = masters[0].client(2)
     for i in range(110):
@@ -762,7 +762,7 @@ def test_a_member_reconnected_many_times_keeps_working(quorum, masters):
 
 
 def test_a_forked_child_does_not_inherit_a_member_stuck_in_its_parent(quorum, masters):
-    """(review of the fan-out) A parent with a command still unanswered on a member (stopped when it
+    """A parent with a command still unanswered on a member (stopped when it
     was sent) forks: the child starts with its own connections, and asks that member like any other."""
     import multiprocessing
 

@@ -360,12 +360,12 @@ def test_an_unplanned_failover_under_a_running_holder_through_real_workers(redis
 
 
 def test_parks_lost_in_a_failover_to_a_lagging_replica_are_sent_again():
-    """(issue 17, Major 5) A task parks while the replica is cut off (frozen, its link dropped by the
-    master), so the park reaches only the master; the master is then SIGKILLed and Sentinel promotes
-    the replica, which never got it. The index and its epoch were replicated before: the epoch says
-    nothing changed. The parking process's sweeper still sends the lost park again, marked
-    recovered, soon after its client reaches the new master (before: it pruned its backup copy, and
-    the task stayed WAITING)."""
+    """A task parks while the replica is cut off (frozen, its link dropped by the master), so the park
+    reaches only the master; the master is then SIGKILLed and Sentinel promotes the replica, which
+    never got it. The index and its epoch were replicated before: the epoch says nothing changed.
+    The parking process's sweeper still sends the lost park again, marked recovered, soon after its
+    client reaches the new master: it keeps its backup copy whatever the epoch says (else the task
+    would stay WAITING)."""
     import signal
 
     from celery_singleton_lock.engine import line as queue

@@ -1,4 +1,7 @@
-"""Regression tests for the reliability issue: one test (or two) per numbered finding.
+"""A task under faults of its lock Redis, its broker or its own lock_key: a late or refused reply, a
+lost lock, a frozen child, a stopped server, a visibility timeout, a raising key. Each ends in a
+state and a log line that say what happened, never in a body run unlocked or run twice. One
+section each, numbered as below.
 
 Every scenario runs against real redis-servers and real Celery workers. Where the lock
 Redis must be stopped while the broker keeps working, the locks live on a private
@@ -140,7 +143,7 @@ def test_task_whose_acquire_answers_late_is_resent_and_runs_later_alone(redis_se
     app = app_on(redis_server, fresh_redis.url(2))
     runs = Runs()
 
-    @locked(app, lock_key=["k"], lock_ttl=3, name="reliab.late_acquire")
+    @locked(app, lock_key=["k"], lock_ttl=3, name="faults.late_acquire")
     def job(self, k, seconds):
         run = runs.begin(k, self.request.id)
         try:
@@ -227,19 +230,19 @@ def test_lock_ttl_below_the_shortest_safe_ttl_warns_when_settings_resolve(app, c
     caplog.set_level(logging.WARNING, logger=LOGGER)
     shortest = timing.shortest_safe_ttl()
 
-    @locked(app, lock_ttl=round(shortest / 2, 2), name="reliab.too_short")
+    @locked(app, lock_ttl=round(shortest / 2, 2), name="faults.too_short")
     def too_short(self):
         return None
 
-    @locked(app, lock_ttl=round(shortest + 2, 2), name="reliab.long_enough")
+    @locked(app, lock_ttl=round(shortest + 2, 2), name="faults.long_enough")
     def long_enough(self):
         return None
 
     too_short.lock_settings()
     long_enough.lock_settings()
-    [warning] = records(caplog, LOGGER, "reliab.too_short", level=logging.WARNING)
+    [warning] = records(caplog, LOGGER, "faults.too_short", level=logging.WARNING)
     assert "lock_ttl" in warning and "shorter than the watchdog can keep safely" in warning, warning
-    assert not records(caplog, LOGGER, "reliab.long_enough", level=logging.WARNING)
+    assert not records(caplog, LOGGER, "faults.long_enough", level=logging.WARNING)
 
 
 # -- 3. a frozen prefork child sees its loss at once, announced once -------------------------
@@ -344,7 +347,7 @@ def test_release_refused_by_redis_keeps_the_success(redis_server, run_worker, ca
     locks = redis_server.client(2)
     clobbered_keys: list[str] = []
 
-    @locked(app, lock_ttl=30, name="reliab.clobbered")
+    @locked(app, lock_ttl=30, name="faults.clobbered")
     def clobbered(self, k):
         key = self.lock.key
         clobbered_keys.append(key)
@@ -423,7 +426,7 @@ def run_refused(redis_server, run_worker, lock_url: str):
     app = app_on(redis_server, lock_url, singleton_lock_max_retries=3)
     runs = Runs()
 
-    @locked(app, name="reliab.refused")
+    @locked(app, name="faults.refused")
     def guarded(self, x):
         runs.begin(str(x), self.request.id)
         return x
@@ -475,7 +478,7 @@ def test_unreachable_lock_redis_is_retried_as_unreachable_not_as_busy(redis_serv
                  singleton_lock_redis_options={"socket_connect_timeout": 1})
     runs = Runs()
 
-    @locked(app, name="reliab.unreachable")
+    @locked(app, name="faults.unreachable")
     def guarded(self, x):
         runs.begin(str(x), self.request.id)
         return x
@@ -548,7 +551,7 @@ def test_raising_lock_key_callable_fails_the_task_with_lock_key_error(redis_serv
     def broken_key(x):
         raise ValueError(f"no key for {x!r}")
 
-    @locked(app, lock_key=broken_key, name="reliab.broken_key")
+    @locked(app, lock_key=broken_key, name="faults.broken_key")
     def job(self, x):
         runs.begin(str(x), self.request.id)
         return x
@@ -558,7 +561,7 @@ def test_raising_lock_key_callable_fails_the_task_with_lock_key_error(redis_serv
         with pytest.raises(LockKeyError) as info:
             result.get(timeout=TIMEOUT)
     message = str(info.value)
-    assert "reliab.broken_key" in message and "lock_key" in message, message
+    assert "faults.broken_key" in message and "lock_key" in message, message
     assert "ValueError" in message and "no key for 7" in message, message
     [failure] = failures
     exc = failure["exception"]
@@ -576,7 +579,7 @@ def test_eager_run_or_fresh_message_reusing_a_finished_task_id_runs(redis_server
     app = app_on(redis_server)
     runs = Runs()
 
-    @locked(app, acks_late=True, name="reliab.reused_id")
+    @locked(app, acks_late=True, name="faults.reused_id")
     def job(self, x):
         runs.begin(str(x), self.request.id)
         return [x, self.request.id]
@@ -602,12 +605,12 @@ def test_reapplying_a_frozen_chord_runs_its_header_and_body_again(redis_server, 
     app = app_on(redis_server)
     runs = Runs()
 
-    @locked(app, acks_late=True, name="reliab.add")
+    @locked(app, acks_late=True, name="faults.add")
     def add(self, a, b):
         runs.begin(f"add-{a}-{b}", self.request.id)
         return a + b
 
-    @locked(app, acks_late=True, name="reliab.tsum")
+    @locked(app, acks_late=True, name="faults.tsum")
     def tsum(self, values):
         runs.begin("tsum", self.request.id)
         return sum(values)
@@ -629,7 +632,7 @@ def test_chain_sent_then_applied_eagerly_returns_its_value(redis_server, run_wor
     app = app_on(redis_server)
     runs = Runs()
 
-    @locked(app, acks_late=True, name="reliab.identity")
+    @locked(app, acks_late=True, name="faults.identity")
     def identity(self, x):
         runs.begin(f"identity-{x}", self.request.id)
         return x

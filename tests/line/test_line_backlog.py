@@ -1,4 +1,4 @@
-"""The line moves under any backlog (issue 17): real ``celery worker`` subprocesses, a real broker.
+"""The line moves under any backlog: real ``celery worker`` subprocesses, a real broker.
 
 1. A busy queue: the key's queue is kept deeper than the lock TTL with other short tasks; each
    waiter's turn still comes at once (the turns queue), ONE publish per turn, in park order. On
@@ -6,10 +6,11 @@
 2. A slow broker (a proxy delays every delivery by more than the TTL): a sent turn keeps its
    reservation until it arrives; no livelock.
 3. ``lock_max_wait`` counts from the first park and holds for a waiter that is not the head.
-4. A copy whose turn passed on while it travelled (the turn timeout) goes back to the head of the
+4. Revoke of a waiting task, or of one whose turn was sent: it leaves the line, the key passes on.
+5. `celery locks line` / `drop`.
+6. A copy whose turn passed on while it travelled (the turn timeout) goes back to the head of the
    line, not ahead of it, and is never dropped as "already ran"; its record lives as long as its
    reservation, and ends at its deadline.
-5. Revoke of a waiting task, and `celery locks line` / `drop`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
-"""Review of issue 20 (commits e59227b, 8cb868f): failing tests for faults found in coalesce and
-lock_publish, through the real prefork workers of tests/test_dedupe.py's module fixture."""
+"""Coalesce and lock_publish under faults, through the real prefork workers of test_dedupe.py's
+module fixture: no merged or joined call is left WAITING or PENDING for ever, none fires its link
+twice, and no publish joins a call that does not exist or has ended.
+
+The faults: a plain ``held()`` block on the key, a merged message delivered twice, a merged call
+revoked, the lock Redis losing its data, the waiter's run killed, merged records outlived by a long
+run or by a late turn, a retried waiter revoked, and a reply lost at publish."""
 # ruff: noqa: F811  (env: the imported module fixture, named by each test)
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ def _holder_and_waiter(env, key, seconds=3.0):
 
 
 def test_join_while_a_plain_held_block_holds_the_key_returns_no_bogus_result(env):
-    """held() without an owner id stores owner null; PUBLISH's `value.owner` is cjson.null (truthy):
-    the publish "joins" task id "None" and returns an AsyncResult that stays PENDING forever."""
+    """A publish while a plain held() block holds the key (no owner id: the lock's owner is null,
+    cjson.null in the PUBLISH script, which is truthy) joins nobody: never a task id "None", whose
+    AsyncResult would stay PENDING for ever."""
     key = _key()
     with held(env.joined.lock_server(), env.joined.lock_key_for((key,), {}), ttl=10):
         result = env.joined.delay(key, 0.0, "after-held")
@@ -55,9 +61,9 @@ def test_join_while_a_plain_held_block_holds_the_key_returns_no_bogus_result(env
 
 
 def test_a_merged_message_delivered_twice_fires_its_link_once(env):
-    """A broker redelivery of a merged message (ack lost: a crash or a visibility timeout between
-    PARK and the ack) is RPUSHed again into K:m:<entry>: settle() then fires its link twice. Here
-    the same message (same task id, same link) is delivered twice."""
+    """A merged message delivered twice (the broker redelivers it when its ack was lost: a crash or
+    a visibility timeout between PARK and the ack) is one merged call: settle() fires its link once.
+    Here the same message (same task id, same link) is delivered twice."""
     key = _key()
     holder, first = _holder_and_waiter(env, key)
     tid = str(uuid.uuid4())
@@ -72,8 +78,8 @@ def test_a_merged_message_delivered_twice_fires_its_link_once(env):
 
 
 def test_a_revoked_merged_call_does_not_succeed_or_fire_its_link(env):
-    """revoke() of a merged call finds it in no line (revoke.take_out), so the waiter's run later
-    marks it SUCCESS and sends its link: a revoked call's callbacks run."""
+    """revoke() of a merged call takes it out although it waits in no line of its own (revoke.take_out):
+    the waiter's run later neither marks it SUCCESS nor sends its link."""
     key = _key()
     holder, first = _holder_and_waiter(env, key)
     m = env.refresh.apply_async((key, 0.0, "m"), link=env.echo_tag.s("rev-" + key))
@@ -116,8 +122,8 @@ def _follow_up_running(env, key, seconds):
 
 
 def test_merged_calls_do_not_stay_waiting_when_their_waiter_run_is_killed(env):
-    """The waiter's run took the merged calls into memory; its worker child dies (SIGKILL, no
-    acks_late): the waiter ends FAILURE (WorkerLostError) but the merged calls stay WAITING forever."""
+    """The waiter's run has taken its merged calls into memory when its worker child dies (SIGKILL, no
+    acks_late): the waiter ends FAILURE (WorkerLostError), and its merged calls still leave WAITING."""
     key = _key()
     first, m = _follow_up_running(env, key, 30.0)
 
@@ -129,9 +135,9 @@ def test_merged_calls_do_not_stay_waiting_when_their_waiter_run_is_killed(env):
 
 
 def test_merged_calls_are_settled_when_their_records_expired_during_a_long_run(env):
-    """The merged calls' records live the waiter's deadline plus ten minutes from the merge. A covering
-    run that outlived them found nothing to settle at its end: the merged calls stayed WAITING for ever.
-    (Their expiry is made here by deleting them once the covering run has started.)"""
+    """The merged calls' records live the waiter's deadline plus ten minutes from the merge; a covering
+    run that outlives them still settles its merged calls at its end (SUCCESS), never leaves them
+    WAITING. (Their expiry is made here by deleting them once the covering run has started.)"""
     from celery_singleton_lock.engine import layout
 
     key = _key()
@@ -144,16 +150,17 @@ def test_merged_calls_are_settled_when_their_records_expired_during_a_long_run(e
 
 
 def test_merged_calls_live_as_long_as_their_waiters_reservation(env):
-    """PARK gives K:m:<entry> the waiter's deadline + 60 s; CONFIRM keeps the key reserved for the
-    handed waiter up to turn_timeout (300 s), "however deep the queue". A waiter handed near its
-    deadline whose copy waits > 60 s in the queue (or an EXPIRED copy behind busy workers) finds
-    its merged calls gone: they stay WAITING forever and "latest wins" silently runs the old args."""
+    """The merged calls (K:m:<entry>) live at least as long as the key stays reserved for their waiter:
+    CONFIRM keeps it reserved for a handed waiter up to turn_timeout (300 s), however deep the queue,
+    so a waiter handed near its deadline whose copy waits long in the queue (or an EXPIRED copy behind
+    busy workers) still finds them; else they would stay WAITING for ever and "latest wins" would run
+    the old arguments."""
     from celery_singleton_lock.engine import layout
     from celery_singleton_lock.engine import line as queue
     from celery_singleton_lock.engine.server import LockServer
 
     server = LockServer.from_url(f"{env.base}/2")
-    key = f"review:{{{uuid.uuid4().hex}}}"
+    key = f"merged:{{{uuid.uuid4().hex}}}"
     holder = server.acquire(key, 5, owner_id="holder")
     w1 = queue.entry_for("w1")
     assert queue.park(server, key, w1, kind="t", wait=2, ttl=5, owner_id="w1", message=b"1", merge=True).place == 1
@@ -166,9 +173,9 @@ def test_merged_calls_live_as_long_as_their_waiters_reservation(env):
 
 
 def test_revoking_a_retried_waiter_sends_its_merged_calls_again(env):
-    """revoke.take_out looks for the merged calls under entry_for(task_id) (retries 0); a waiter that
-    parked as a retry (request.retries > 0) has entry_for(task_id, retries): its merged calls are
-    never found, never sent again, and stay WAITING forever."""
+    """Revoking a waiter that parked as a retry (request.retries > 0: its entry is
+    entry_for(task_id, retries), not entry_for(task_id)) finds its merged calls under that entry and
+    sends them again: they run, never stay WAITING."""
     key = _key()
     holder = env.refresh.delay(key, 3.0, "holder")
     started(env, key)
@@ -184,9 +191,10 @@ def test_revoking_a_retried_waiter_sends_its_merged_calls_again(env):
 
 
 def test_a_lost_reply_at_publish_leaves_no_mark_that_outlives_its_call(env):
-    """The PUBLISH script ran (the mark is set for the new id) but its reply was lost: 8cb868f then
-    publishes the call unchecked, WITHOUT the MARKED header, so its delivery never deletes the mark.
-    For lock_publish_ttl (600 s) every publish joins that finished call: no run, a stale result."""
+    """The PUBLISH script ran (the mark is set for the new id) but its reply was lost: the call is
+    published still MARKED, so its delivery deletes the mark, and the next publish of the key is a
+    new call. A mark outliving its call would have every publish for lock_publish_ttl (600 s) join the
+    finished call: no run, a stale result."""
     from celery_singleton_lock.engine import dedupe, layout
     from celery_singleton_lock.engine.server import LockServer
 

@@ -1,4 +1,5 @@
-"""Identity holds through every redelivery and every recovery (issue 17).
+"""The line keeps each call's identity through every redelivery and every recovery: a call waits
+once, runs once, and ends in its own state, whatever was killed or lost.
 
 Real ``celery worker`` subprocesses (prefork, acks_late + reject_on_worker_lost, so a SIGKILLed
 child's message goes back to the broker and is redelivered), a real Redis broker, and real faults:
@@ -9,7 +10,12 @@ a real broker redelivery through kombu's restore, FLUSHDB of the test's own lock
 * a hand-off copy SIGKILLed mid-body is redelivered: it runs again, once, to its end;
 * a process SIGKILLed after the release and before Celery stored the result: the redelivery stores
   the recorded value and sends the chain, without running the body again;
-* two messages carrying one ``singleton_lock_token`` never both hold the lock.
+* two messages carrying one ``singleton_lock_token`` never both hold the lock;
+* the lock Redis flushed under a line of 40, or just before a burst of parks: no waiter lost, none
+  run twice; and the lock Redis's persistence, checked at worker start;
+* at the line's edges: the redelivered parked message of a turn that failed, the holder's
+  redelivered copy, a release retried after its first try ran, a requeued message that never ran,
+  a crashed plain waiter.
 """
 
 from __future__ import annotations
@@ -93,7 +99,7 @@ def nodes(request, redis_server, tmp_path_factory):
 
 @pytest.mark.slow
 def test_parked_delivery_redelivered_after_its_ack_was_lost_parks_once_and_runs_once(nodes):
-    """(Major 2) A child SIGKILLed right after PARK, before its delivery was acked: the broker
+    """A child SIGKILLed right after PARK, before its delivery was acked: the broker
     redelivers the message; it finds its entry in the line (entries are derived from the task id)
     and ends, so the task waits ONCE and runs once, in its turn."""
     n, wa = nodes, nodes.wa
@@ -118,7 +124,7 @@ def test_parked_delivery_redelivered_after_its_ack_was_lost_parks_once_and_runs_
 
 @pytest.mark.slow
 def test_hand_off_copy_killed_mid_body_is_redelivered_and_runs_again_to_its_end(nodes):
-    """(Major 1) The claim deleted the waiter's entry; its copy's child is SIGKILLed mid-body. The
+    """The claim deleted the waiter's entry; its copy's child is SIGKILLed mid-body. The
     broker redelivers that copy (entry header and all): it must run again, not be dropped as
     "entry gone" (its body never finished)."""
     n, wa = nodes, nodes.wa
@@ -144,7 +150,7 @@ def test_hand_off_copy_killed_mid_body_is_redelivered_and_runs_again_to_its_end(
 
 @pytest.mark.slow
 def test_killed_after_the_release_the_redelivery_stores_the_result_and_sends_the_chain(nodes):
-    """(Major 3) The child dies after the release wrote the done record and before Celery stored
+    """The child dies after the release wrote the done record and before Celery stored
     the result and sent the chain. The redelivery finds "already succeeded" and no SUCCESS in the
     result backend: it stores the recorded value and sends the chain; the body does not run again."""
     n, wa = nodes, nodes.wa
@@ -165,12 +171,12 @@ def test_killed_after_the_release_the_redelivery_stores_the_result_and_sends_the
     n.nothing_left(key)
 
 
-# -- Major 4: one token, two messages ------------------------------------------------------------
+# -- one token, two messages ---------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
 def test_two_messages_with_one_token_never_both_hold_the_lock(redis_server, run_worker):
-    """(Major 4) A re-send carrying singleton_lock_token takes back the orphan lock its lost attempt
+    """A re-send carrying singleton_lock_token takes back the orphan lock its lost attempt
     left; a broker redelivery of that same message (same header) while the first copy runs must not
     be granted the lock too: it waits as a redelivered copy of the running task, and is dropped
     when it succeeds."""
@@ -252,7 +258,7 @@ def _each_ran_once(wa, k: str, ids: list[str]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_flush_during_a_line_of_40_loses_no_waiter_and_runs_none_twice(flushable):
-    """(Critical) 40 waiters parked on one key behind a holder, from two nodes; the lock Redis is
+    """40 waiters parked on one key behind a holder, from two nodes; the lock Redis is
     flushed (a restart without persistence). Every waiter runs exactly once and succeeds."""
     n, wa = flushable, flushable.wa
     k = f"flush-line-{uuid.uuid4().hex[:8]}"
@@ -275,7 +281,7 @@ def test_flush_during_a_line_of_40_loses_no_waiter_and_runs_none_twice(flushable
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_flush_before_a_burst_of_parks_runs_none_twice(flushable):
-    """(Critical) The lock Redis is flushed in a lull; a burst of 30 calls of one key follows at
+    """The lock Redis is flushed in a lull; a burst of 30 calls of one key follows at
     once, before the sweepers noticed the loss: each runs exactly once (the parks made after the
     loss are not sent again, and a copy whose entry already ran is not run again)."""
     n, wa = flushable, flushable.wa
@@ -328,7 +334,7 @@ def test_persistence_check_warns_on_a_redis_that_forgets_and_tolerates_config_di
         assert not caplog.records
 
 
-# -- the Minor list ---------------------------------------------------------------------------------------
+# -- at the line's edges: a failed turn's message, the holder's copy, a retried release, a crashed waiter --
 
 
 @pytest.mark.timeout(60)
