@@ -20,8 +20,8 @@ import traceback
 import uuid
 
 import pytest
+from _apps import server_binaries
 from _backends import EtcdStore, LockBackendUnderTest
-from conftest import _server_binaries
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(60)
 DB = 2  # the locks' database in the fixtures' layout
 
 
-@pytest.fixture(params=[*(name for name, _ in _server_binaries()), "etcd"])
+@pytest.fixture(params=[*(name for name, _ in server_binaries()), "etcd"])
 def backend(request):
     """The contract tests' lock store: each redis-server we have (as ``any_redis``), and etcd."""
     if request.param == "etcd":
@@ -48,7 +48,7 @@ def backend(request):
         yield LockBackendUnderTest("etcd", url, store)
         store.close()
         return
-    with RedisServer(binary=dict(_server_binaries())[request.param]) as server:
+    with RedisServer(binary=dict(server_binaries())[request.param]) as server:
         yield LockBackendUnderTest("redis", server.url(DB), server.client(DB))
 HANDSHAKE = {"info", "client", "client|setinfo", "client|setname", "hello", "select", "ping", "echo", "monitor"}
 # INFO commandstats also counts what scripts call inside; MONITOR (testing.Monitor) is what tells them apart

@@ -12,12 +12,12 @@ import time
 import uuid
 
 import pytest
+from _apps import make_app
 from _task_support import (
     TIMEOUT,
     collect_results,  # noqa: F401 - autouse: gc while Redis runs
     locked,
 )
-from conftest import make_app
 
 from celery_singleton_lock import LockContended, LockError, LockLost, LockServer, SelfDeadlock, held
 from celery_singleton_lock.testing.servers import Monitor, wait_until

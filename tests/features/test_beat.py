@@ -19,9 +19,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from _apps import ROOT, make_app
 from celery.beat import Scheduler
 from celery.signals import before_task_publish
-from conftest import ROOT, make_app
 
 from celery_singleton_lock import Lock
 from celery_singleton_lock.beat import LeaderMixin, LeaderScheduler, beat_settings

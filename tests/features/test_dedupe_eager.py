@@ -8,8 +8,7 @@ import threading
 import uuid
 
 import pytest
-from _apps import celery_cli
-from conftest import make_app
+from _apps import celery_cli, make_app
 
 from celery_singleton_lock import LockedTask
 from celery_singleton_lock.engine import dedupe, layout

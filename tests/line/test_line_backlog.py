@@ -27,6 +27,7 @@ import time
 import uuid
 
 import pytest
+from _apps import make_app
 from _fault_proxy import FaultProxy
 from _task_support import (
     ROOT,
@@ -38,7 +39,6 @@ from _task_support import (
     start_worker_process,
 )
 from celery import Celery
-from conftest import make_app
 
 from celery_singleton_lock import LockedTask, LockServer, LockWaitTimeout, held
 from celery_singleton_lock.delivery.turns import SUFFIX, TurnsConsumer

@@ -29,6 +29,7 @@ import time
 import uuid
 
 import pytest
+from _apps import make_app
 from _backends import BACKENDS, backend_of, lock_store
 from _task_support import (
     RESTORE_FAST,
@@ -44,7 +45,6 @@ from _task_support import (
     start_worker_process,
 )
 from celery import chain
-from conftest import make_app
 from test_handoff import Nodes, events, open_gate, parks, starts, wait_starts
 
 from celery_singleton_lock import LockServer

@@ -25,10 +25,10 @@ import uuid
 import pytest
 import redis
 from _apps import celery_cli as run_celery_cli
+from _apps import make_app
 from _task_support import collect_results, locked  # noqa: F401 - autouse: gc while Redis runs
 from celery.bin.base import CLIContext
 from click.testing import CliRunner
-from conftest import make_app
 
 from celery_singleton_lock import LockLost
 from celery_singleton_lock.engine import line as lines

@@ -14,10 +14,10 @@ import sys
 
 import pytest
 import redis
+from _apps import make_app
 from _task_support import ROOT, locked
 from celery.bin.base import CLIContext
 from click.testing import CliRunner
-from conftest import make_app
 
 from celery_singleton_lock.ops.cli import locks
 

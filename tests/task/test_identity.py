@@ -25,6 +25,7 @@ import time
 import uuid
 
 import pytest
+from _apps import make_app
 from _task_support import (
     RESTORE_FAST,
     TIMEOUT,
@@ -36,7 +37,6 @@ from _task_support import (
     redeliver,
 )
 from celery.signals import before_task_publish, task_prerun
-from conftest import make_app
 
 from celery_singleton_lock import LockError, LockServer, SelfDeadlock, held
 from celery_singleton_lock.delivery import config as csl_config

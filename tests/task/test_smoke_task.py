@@ -47,7 +47,7 @@ def test_footprint_early_ack_leaves_nothing_and_acks_late_only_its_window(redis_
     singleton_lock_redelivery_window."""
     import uuid
 
-    from conftest import make_app
+    from _apps import make_app
 
     from celery_singleton_lock.testing.servers import wait_until
 

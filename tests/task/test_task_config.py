@@ -11,9 +11,9 @@ import logging
 import uuid
 
 import pytest
+from _apps import make_app
 from _task_support import collect_results  # noqa: F401 - autouse: gc while Redis runs
 from celery import Celery
-from conftest import make_app
 
 from celery_singleton_lock import LockedTask
 from celery_singleton_lock.delivery import config as cfg

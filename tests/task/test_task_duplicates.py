@@ -15,6 +15,7 @@ import time
 import uuid
 
 import pytest
+from _apps import make_app
 from _backends import backend_of, lock_store
 from _task_support import (
     TIMEOUT,
@@ -28,7 +29,6 @@ from _task_support import (
     start_worker_process,
 )
 from celery.exceptions import TaskRevokedError
-from conftest import make_app
 
 from celery_singleton_lock import DuplicateSkipped, DuplicateTask, LockContended, LockWaitTimeout
 from celery_singleton_lock.engine import line as queue

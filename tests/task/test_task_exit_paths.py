@@ -12,6 +12,7 @@ import time
 import uuid
 
 import pytest
+from _apps import make_app
 from _backends import backend_of, lock_store
 from _task_support import (
     TIMEOUT,
@@ -23,7 +24,6 @@ from _task_support import (
 )
 from celery.exceptions import Ignore, Reject
 from celery.signals import after_task_publish
-from conftest import make_app
 
 from celery_singleton_lock import LockKeyError
 from celery_singleton_lock.testing.servers import wait_until

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from _apps import make_app
 from _task_support import (
     TIMEOUT,
     Recorder,
@@ -47,7 +48,6 @@ from _task_support import (
 )
 from celery import chain, chord, group
 from celery.signals import task_failure, task_prerun, task_retry
-from conftest import make_app
 
 from celery_singleton_lock import LockBackendRefused, LockBackendUnavailable, LockKeyError, lock_lost
 from celery_singleton_lock.engine import timing

@@ -25,6 +25,7 @@ import os
 import uuid
 
 import pytest
+from _apps import make_app
 from _backends import BACKENDS, backend_of, lock_store
 from _task_support import (
     RESTORE_FAST,
@@ -36,7 +37,6 @@ from _task_support import (
     locked,
     redeliver,
 )
-from conftest import make_app
 
 from celery_singleton_lock.engine import line as lines
 from celery_singleton_lock.testing.servers import wait_until

@@ -8,6 +8,7 @@ import time
 import uuid
 
 import pytest
+from _apps import make_app
 from _task_support import (
     TIMEOUT,
     Runs,
@@ -15,7 +16,6 @@ from _task_support import (
     locked,
 )
 from celery.signals import task_retry
-from conftest import make_app
 
 from celery_singleton_lock import LockBackendUnavailable, LockError
 from celery_singleton_lock.testing.servers import free_port

@@ -15,10 +15,10 @@ import time
 import uuid
 
 import pytest
+from _apps import make_app
 from _deployments import RedisClusterDeployment
 from _task_support import collect_results  # noqa: F401 - autouse: gc while Redis runs
 from _topology_support import check_contract
-from conftest import make_app
 
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.engine import sweeper as sweeping

@@ -521,9 +521,9 @@ def test_a_redelivery_of_a_running_task_never_runs_again_after_it_succeeded(mast
     with a back-off rather than parked first. The re-send keeps its identity (a header): once the
     running task succeeded, the copy is dropped, never run again as new work (as a fresh message
     would be, finding the key free after the holder's release)."""
+    from _apps import make_app
     from _task_support import RESTORE_FAST, Gates, Recorder, Runs, locked, redeliver
     from celery.contrib.testing.worker import start_worker
-    from conftest import make_app
 
     for m in masters:
         if m.paused:

@@ -20,6 +20,7 @@ import time
 import uuid
 
 import pytest
+from _apps import make_app
 from _deployments import SentinelDeployment, _role
 from _task_support import (
     assert_no_overlap,
@@ -29,7 +30,6 @@ from _task_support import (
 )
 from _topology_support import check_contract
 from celery import Celery
-from conftest import make_app
 
 from celery_singleton_lock import LockedTask
 from celery_singleton_lock.delivery import config
