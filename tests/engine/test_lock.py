@@ -529,7 +529,7 @@ def test_a_script_is_loaded_where_it_runs_when_the_pool_and_the_thread_disagree(
     """Right after a Sentinel failover the client's pool and this thread's own connection may reach
     different servers for a moment. The script must be loaded on the connection that runs it: loading
     it through the pool made the retried EVALSHA fail with NOSCRIPT again, and the task FAILED with
-    LockBackendRefused (seen once in tests/test_sentinel.py's unplanned failover)."""
+    LockBackendRefused (seen once in tests/topologies/test_sentinel.py's unplanned failover)."""
     server = LockServer.from_url(fresh_redis.url(DB))  # its pool: the fresh server
     held = LockServer.from_url(redis_server.url(DB))
     server._held.conn = exchange.checkout(held.client.connection_pool)  # its thread's connection: another

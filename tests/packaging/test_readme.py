@@ -1,6 +1,6 @@
 """The README is the front door (it is also the PyPI page): checked from the checkout, no Redis.
 
-Its quick start is the documentation's, which tests/test_docs_examples.py runs against a real
+Its quick start is the documentation's, which test_docs_examples.py runs against a real
 redis-server and worker; here, that the two are the same code, that every link is absolute (a
 relative one breaks on PyPI) and points where [project.urls] says, and that the contributors'
 two commands are the ones dev.py has.

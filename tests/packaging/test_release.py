@@ -1,6 +1,6 @@
 """The release metadata, read from the checkout (no build): the pieces a PyPI page and a packager need.
 
-tests/test_packaging.py checks the same facts in the built wheel; these fail in a second.
+test_packaging.py checks the same facts in the built wheel; these fail in a second.
 """
 
 from __future__ import annotations
