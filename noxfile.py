@@ -57,26 +57,26 @@ MATRIX = [
 
 CORE = [
     # the lock: exclusion, ownership, fencing, what a release leaves, one command per operation
-    "tests/test_lock.py::test_acquire_holds_and_tells_who_holds",
-    "tests/test_lock.py::test_release_is_idempotent_and_never_frees_a_later_holder",
-    "tests/test_lock.py::test_fencing_tokens_increase_across_holders",
-    "tests/test_lock.py::test_a_release_leaves_nothing_behind_unless_asked_to_remember",
-    "tests/test_lock.py::test_one_command_per_operation",
+    "tests/engine/test_lock.py::test_acquire_holds_and_tells_who_holds",
+    "tests/engine/test_lock.py::test_release_is_idempotent_and_never_frees_a_later_holder",
+    "tests/engine/test_lock.py::test_fencing_tokens_increase_across_holders",
+    "tests/engine/test_lock.py::test_a_release_leaves_nothing_behind_unless_asked_to_remember",
+    "tests/engine/test_lock.py::test_one_command_per_operation",
     # a LockedTask on a real worker; a duplicate skipped; a duplicate handed the key
-    "tests/test_smoke_task.py",
-    "tests/test_task_duplicates.py::test_prefork_skip_and_raise",
-    "tests/test_task_duplicates.py::test_prefork_retry_duplicates_run_one_at_a_time",
-    "tests/test_task_duplicates.py::test_eager_skip_ends_as_a_worker_skip",
-    "tests/test_task_duplicates.py::test_eager_retry_is_handed_the_key_by_the_release",
+    "tests/task/test_smoke_task.py",
+    "tests/task/test_task_duplicates.py::test_prefork_skip_and_raise",
+    "tests/task/test_task_duplicates.py::test_prefork_retry_duplicates_run_one_at_a_time",
+    "tests/task/test_task_duplicates.py::test_eager_skip_ends_as_a_worker_skip",
+    "tests/task/test_task_duplicates.py::test_eager_retry_is_handed_the_key_by_the_release",
     # the line with a hand-off, across two worker nodes; every lost reply answered as the first
-    "tests/test_handoff.py::test_fifo_across_two_nodes_one_park_and_one_send_each",
-    "tests/test_lost_replies.py",
+    "tests/line/test_handoff.py::test_fifo_across_two_nodes_one_park_and_one_send_each",
+    "tests/engine/test_lost_replies.py",
     # the watchdog's renewal and loss
-    "tests/test_watchdog.py::test_renewal_runs_ttl_over_3_from_the_send_on_a_fixed_schedule",
-    "tests/test_watchdog.py::test_deleted_key_is_lost_within_a_third_of_the_ttl_plus_a_tick",
-    "tests/test_watchdog.py::test_key_taken_by_another_owner_is_lost",
+    "tests/engine/test_watchdog.py::test_renewal_runs_ttl_over_3_from_the_send_on_a_fixed_schedule",
+    "tests/engine/test_watchdog.py::test_deleted_key_is_lost_within_a_third_of_the_ttl_plus_a_tick",
+    "tests/engine/test_watchdog.py::test_key_taken_by_another_owner_is_lost",
     # the exchange path, and every private name of redis-py it reads
-    "tests/test_exchange.py",
+    "tests/engine/test_exchange.py",
 ]
 
 SERVERS = {"redis-6.2": "CSL_REDIS_62", "redis-7": "CSL_REDIS_7", "valkey": "CSL_VALKEY"}

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests/test_task_*.py files (not a test module itself).
+"""Helpers shared by the test files, the task hooks' (tests/task/) first (not a test module itself).
 
 * ``Recorder``: collects our signals (and task_postrun) for one app, thread-safe, with waits.
 * ``Gates``: named threading.Events that task bodies wait on, so a test decides when a

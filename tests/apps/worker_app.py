@@ -88,7 +88,7 @@ def hold_raise(self, key: str, seconds: float, tag: str = "") -> dict:
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="skip")
 def watchdog_hold(self, key: str, seconds: float, tag: str = "") -> dict:
-    """For tests/test_watchdog_workers.py: hold the lock ``seconds`` (I/O-style sleeps, so it
+    """For tests/task/test_watchdog_workers.py: hold the lock ``seconds`` (I/O-style sleeps, so it
     also suits gevent/eventlet), then insist it was never lost. Records its interval."""
     start = time.time()
     journal.rpush(f"started:watchdog_hold:{key}", f"{self.request.id}:{os.getpid()}")
@@ -102,7 +102,7 @@ def watchdog_hold(self, key: str, seconds: float, tag: str = "") -> dict:
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="skip")
 def watchdog_busy(self, key: str, seconds: float) -> dict:
-    """For tests/test_watchdog_workers.py: CPU-bound, never yields. Under gevent/eventlet it
+    """For tests/task/test_watchdog_workers.py: CPU-bound, never yields. Under gevent/eventlet it
     starves the watchdog greenlet (the documented limit); the loss must still be reported."""
     deadline = time.monotonic() + seconds
     spins = 0
@@ -111,7 +111,7 @@ def watchdog_busy(self, key: str, seconds: float) -> dict:
     return {"pid": os.getpid(), "lost": self.lock.lost, "spins": spins}
 
 
-# -- for tests/test_task_*.py (LockedTask exit paths, crashes, redelivery) -------------------
+# -- for tests/task/test_task_*.py (LockedTask exit paths, crashes, redelivery) ----------------
 
 
 def _journal_event(key: str, event: str, task, **extra) -> None:
@@ -194,7 +194,7 @@ def gated_raise(self, key: str, tag: str = "", gate: bool = False) -> dict:
     return {"pid": os.getpid(), "tag": tag}
 
 
-# -- for tests/test_handoff.py (the FIFO line and its hand-offs) ------------------------------
+# -- for tests/line/test_handoff.py (the FIFO line and its hand-offs) --------------------------
 
 if os.environ.get("CSL_LOCK_URL"):
     # the locks on a Redis of their own (a lock-Redis restart must not take the broker with it)
@@ -290,7 +290,7 @@ def errback_journal(request, exc, traceback) -> None:
     journal.rpush("handoff:errbacks", json.dumps({"id": request.id, "exc": type(exc).__name__, "msg": str(exc)}))
 
 
-# -- for tests/test_reliability.py ----------------------------------------------------------
+# -- for tests/task/test_task_faults.py --------------------------------------------------------
 
 from celery.signals import task_prerun  # noqa: E402 - this section is appended for one test module
 
@@ -360,7 +360,7 @@ def _journal_delivery(sender=None, task_id=None, **_) -> None:
         "pid": os.getpid(), "at": time.time(),
     }))
 
-# -- for tests/test_cli.py (`celery locks release`) -------------------------------------------
+# -- for tests/ops/test_cli.py (`celery locks release`) ----------------------------------------
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"])
@@ -375,7 +375,7 @@ def hold_until_lost(self, key: str, limit: float = 30.0) -> dict:
     self.lock.ensure()
     return {"pid": os.getpid(), "lost": False}
 
-# -- for tests/test_line_load.py (the line under a backlog, a slow broker, revoke) -------------
+# -- for tests/line/test_line_backlog.py (the line under a backlog, a slow broker, revoke) -----
 
 if os.environ.get("CSL_BROKER_URL"):  # e.g. RabbitMQ
     app.conf.broker_url = os.environ["CSL_BROKER_URL"]
