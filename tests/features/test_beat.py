@@ -28,6 +28,8 @@ from celery_singleton_lock.beat import LeaderMixin, LeaderScheduler, beat_settin
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
 from celery_singleton_lock.topologies.servers import from_settings
 
+pytestmark = pytest.mark.long  # (dev.py test --all and CI run it)
+
 TTL = 2.0  # the subprocesses' singleton_lock_beat_ttl (tests/apps/beat_app.py reads CSL_BEAT_TTL)
 POLL = 0.25  # their singleton_lock_beat_poll
 KEY = "singleton_lock:beat-leader:{beat_app}"  # the default key for the app named "beat_app"

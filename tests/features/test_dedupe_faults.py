@@ -93,6 +93,7 @@ def test_a_revoked_merged_call_does_not_succeed_or_fire_its_link(env):
 
 @pytest.mark.xfail(strict=True, reason="a known limit (docs/how-to/dedupe.md): merged calls live only in the lock "
                    "Redis; the sweeper re-sends parked messages after a data loss, not merged ones")
+@pytest.mark.long
 def test_merged_calls_survive_a_lock_redis_data_loss(env):
     """Parked waiters are remembered by the sweeper and re-parked after Redis loses its data; the
     messages merged into them (K:m:<entry>) are not, and were acked: the merged call stays WAITING

@@ -284,6 +284,7 @@ SLOW_TTL = 1.0
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
+@pytest.mark.long
 def test_slow_broker_turns_keep_their_reservation_no_livelock(redis_server, tmp_path_factory):
     """Deliveries come BROKER_DELAY late (a proxy on the workers' consuming connection), longer than
     the lock TTL: a sent turn keeps the key reserved until it arrives, so every waiter runs, once,
@@ -609,6 +610,7 @@ def test_a_late_copy_never_takes_a_free_key_ahead_of_live_waiters(redis_server):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_sweeper_leaves_alone_the_waiters_of_a_task_its_process_cannot_send(redis_server, tmp_path_factory):
     """Two apps share one lock Redis and prefix. Only app A's process sweeps while app B's waiter runs
     out of lock_max_wait: A's sweeper must leave B's line alone (before: it timed the waiter out,

@@ -488,6 +488,7 @@ with held(LockServer.from_url(sys.argv[1]), sys.argv[2], ttl=2, wait=60):
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
+@pytest.mark.long
 def test_a_crashed_plain_waiter_stops_blocking_the_key_within_its_lease(redis_server):
     """A process waiting in held(..., wait=60) is SIGKILLed. It keeps its place alive only while it
     lives (PLAIN_LEASE), so the next waiter gets the key within that lease after the release, not

@@ -221,6 +221,7 @@ def test_lock_redis_restarted_empty_with_a_slow_slot_resend_runs_the_waiter_once
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+@pytest.mark.long
 def test_lock_data_lost_under_a_waiter_still_blocked_in_its_slot_runs_it_once_and_keeps_its_result(env):
     """The lock Redis loses its data (FLUSHDB of the private lock db: what a restart empty does to the
     data, without breaking the waiter's BLPOP connection) while a waiter blocks in its slot (5 s). Its
@@ -250,6 +251,7 @@ def test_lock_data_lost_under_a_waiter_still_blocked_in_its_slot_runs_it_once_an
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+@pytest.mark.long
 def test_lock_data_lost_then_the_recovered_copy_waits_in_a_slot_beside_the_original_runs_it_once(env):
     """Default TTL (30 s). A waiter blocks in its slot (5 s); the lock data is lost (FLUSHDB of the
     private lock db: the waiter's BLPOP connection stays up); a newcomer takes the now free key. The

@@ -346,6 +346,7 @@ def test_exit_statuses(worker_app):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.long
 def test_exit_statuses_on_etcd(worker_app, etcd_server):
     """The same exit statuses on etcd: 1 for no such lock, 2 (one line, no password) for a bad key or
     an etcd that does not answer; list and show of a held lock answer 0."""

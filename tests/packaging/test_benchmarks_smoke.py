@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long  # (dev.py test --all and CI run it)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -34,6 +34,7 @@ def test_inventory_demo_locked_stock_is_exact():
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+@pytest.mark.long
 def test_beat_demo_runs_never_overlap():
     out = run_demo("beat", timeout=80)
     assert "RESULT: LockedTask runs never overlapped" in out, out

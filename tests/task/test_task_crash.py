@@ -142,6 +142,7 @@ def errors_raised_in_our_code(log: str) -> list[str]:
     return found
 
 
+@pytest.mark.long
 def test_redelivery_after_the_whole_worker_died_runs_once_the_lock_expired(crash_env, redis_server):
     """kill -9 of the holder's whole worker; the broker redelivers its message to another worker at
     once: the copy waits first in line while the dead holder's lock lives, then the sweeper hands it

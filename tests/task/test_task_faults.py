@@ -135,6 +135,7 @@ def test_acquire_answered_after_a_third_of_the_ttl_is_given_back(fresh_redis):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.long
 def test_task_whose_acquire_answers_late_is_resent_and_runs_later_alone(redis_server, fresh_redis, run_worker):
     """The lock Redis frozen 5 s (ttl 3) while a task arrives: its acquire returns on SIGCONT, too
     late. It must not run on that lock: RETRY (LockBackendUnavailable naming the lateness), then
@@ -190,6 +191,7 @@ def test_task_whose_acquire_answers_late_is_resent_and_runs_later_alone(redis_se
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.long
 def test_watchdog_reports_a_loss_before_the_lock_could_expire_in_redis(fresh_redis):
     """Redis frozen under a tracked lock (ttl 3): on_lost (what fires lock_lost) must run before
     confirmed_at + ttl, the earliest moment Redis could let the lock go. Four rounds, the freeze
@@ -258,6 +260,7 @@ def _started(worker_app, key: str, tag: str) -> dict | None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
+@pytest.mark.long
 def test_frozen_prefork_child_sees_its_lost_lock_at_first_look_and_it_is_announced_once(
     worker_app, worker_processes, redis_server
 ):
@@ -506,6 +509,7 @@ def test_unreachable_lock_redis_is_retried_as_unreachable_not_as_busy(redis_serv
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
+@pytest.mark.long
 def test_acks_late_task_held_past_the_visibility_timeout_is_delivered_o1_times(
     worker_app, worker_processes, redis_server
 ):

@@ -23,7 +23,7 @@ from celery_singleton_lock.exceptions import LockError
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies.etcd import EtcdLockServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture

@@ -188,6 +188,7 @@ def test_a_parked_entry_parks_once_and_its_copy_claims_its_reservation(server):
     assert park(server, name, "w", again=True, first=True) == lines.Parked(lines.Park.CLAIM)
 
 
+@pytest.mark.long
 def test_one_keep_alive_per_period_for_locks_taken_at_different_moments(server):
     """Locks taken a little over half a period apart fall due at different ticks (each took a fresh
     keep-alive when it was taken); they share the lease's one keep-alive per period (they used to

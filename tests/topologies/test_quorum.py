@@ -235,6 +235,7 @@ def test_the_watchdog_keeps_a_quorum_lock_and_loses_it_without_a_majority(quorum
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.long
 def test_randomised_history_with_faults(quorum, masters):
     """Jepsen-style: 4 threads take the key at random; servers are stopped, resumed and
     restarted at random meanwhile. Every grant's interval and token go in the history."""
@@ -414,6 +415,7 @@ class Faults:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_jepsen_real_workers_on_five_members_with_random_faults(masters, redis_server, tmp_path):
     """Two worker nodes x 2 prefork children run tasks on 3 keys (on_duplicate="retry", which backs
     off in quorum mode) for JEPSEN_SECONDS while a random minority of the 5 members is paused, killed

@@ -41,7 +41,7 @@ from celery_singleton_lock.topologies import servers
 from celery_singleton_lock.topologies.servers import SentinelLockServer
 from celery_singleton_lock.watchdog.renewer import Watchdog
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(180)]
 
 LOCK_DB = 2
 

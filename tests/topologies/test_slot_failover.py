@@ -29,6 +29,8 @@ from _task_support import assert_no_overlap
 from celery_singleton_lock.engine import layout
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
 
+pytestmark = pytest.mark.long  # (dev.py test --all and CI run it)
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 40
 END = 15  # seconds after the fault for every call to end (each is due within a lock TTL and a sweep)
