@@ -254,7 +254,6 @@ def _install_breakdown() -> None:
     Server.run = timed("LockServer.run", Server.run)
     Server._call = timed("LockServer._call (pack, send, read the reply)", Server._call)
     csl_wire.pack = timed("wire.pack (the EVALSHA in RESP)", csl_wire.pack)
-    Server.plain = timed("LockServer.plain (SET NX GET and EXISTS, one write)", Server.plain)
     csl_exchange.read = timed("socket wait for the reply (exchange.read: spin, then sleep)", csl_exchange.read)
     # the socket wait, only inside a timed piece (not the broker connection's reads)
     AbstractConnection.read_response = timed("socket wait for the reply (read_response)",

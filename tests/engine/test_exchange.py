@@ -11,7 +11,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from celery_singleton_lock.engine import exchange, wire
+from celery_singleton_lock.engine import exchange
 from celery_singleton_lock.engine.lock import Holder, Lock, Release
 from celery_singleton_lock.engine.server import LockServer
 from celery_singleton_lock.exceptions import LockBackendRefused, LockBackendUnavailable
@@ -163,10 +163,15 @@ def _client_id(c, conn) -> int:
     return next(cl["id"] for cl in c.client_list() if cl["addr"].endswith(f":{port}"))
 
 
-def test_send_writes_what_wire_packs(redis):
+def _plain(words) -> bytes:
+    """A plain command in RESP (the package sends scripts only; these tests send plain commands)."""
+    return (f"*{len(words)}\r\n" + "".join(f"${len(w)}\r\n{w}\r\n" for w in words)).encode()
+
+
+def test_send_writes_what_it_is_given(redis):
     server = LockServer.from_url(redis.url(2))
     conn = server._held_conn()
-    exchange.send(conn, wire.pack_plain(("SET", "w", "v")) + wire.pack_plain(("GET", "w")))
+    exchange.send(conn, _plain(("SET", "w", "v")) + _plain(("GET", "w")))
     assert exchange.read(conn, 2) == [b"OK", b"v"]
     server.close()
 
@@ -178,7 +183,7 @@ def test_the_private_names_of_redis_py_it_reads_are_there_and_a_push_reaches_its
     handler the user's client set, whatever the handler's signature in that redis-py."""
     server = LockServer.from_url(redis.url(2), protocol=3)
     conn = server._held_conn()
-    exchange.send(conn, wire.pack_plain(["PING"]))
+    exchange.send(conn, _plain(["PING"]))
     assert exchange.read(conn) == [b"PONG"]
     assert type(conn._sock) is socket.socket, "redis-py's Connection._sock is not the plain socket any more"
     assert callable(conn._parser.handle_push_response)
@@ -186,11 +191,11 @@ def test_the_private_names_of_redis_py_it_reads_are_there_and_a_push_reaches_its
     setter = getattr(conn._parser, "set_invalidation_push_handler", None)
     if setter is not None:  # (redis-py 5.0's parser only logs pushes)
         setter(got.append)
-    exchange.send(conn, wire.pack_plain(["CLIENT", "TRACKING", "ON"]) + wire.pack_plain(["GET", "tracked"]))
+    exchange.send(conn, _plain(["CLIENT", "TRACKING", "ON"]) + _plain(["GET", "tracked"]))
     assert exchange.read(conn, 2) == [b"OK", None]
     redis.client(2).set("tracked", "changed")  # -> an invalidation push on the tracking connection
     for _ in range(20):  # (the push comes after the SET's reply: it may need a later read)
-        exchange.send(conn, wire.pack_plain(["PING"]))
+        exchange.send(conn, _plain(["PING"]))
         assert exchange.read(conn) == [b"PONG"]
         if got or setter is None:
             break
