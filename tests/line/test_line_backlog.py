@@ -29,15 +29,7 @@ import uuid
 import pytest
 from _apps import make_app
 from _fault_proxy import FaultProxy
-from _task_support import (
-    ROOT,
-    TIMEOUT,
-    assert_no_overlap,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    load_worker_app,
-    locked,
-    start_worker_process,
-)
+from _task_support import ROOT, TIMEOUT, assert_no_overlap, load_worker_app, locked, start_worker_process
 from celery import Celery
 
 from celery_singleton_lock import LockedTask, LockServer, LockWaitTimeout, held
@@ -48,7 +40,7 @@ from celery_singleton_lock.engine.line import SWEEP_INTERVAL, SWEEP_LEASE
 from celery_singleton_lock.engine.lock import Handoff, Lock, slot_safe
 from celery_singleton_lock.testing.servers import wait_until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("collect_results")]
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 LOCK_TTL = 2.0

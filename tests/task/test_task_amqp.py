@@ -9,19 +9,11 @@ import socket
 import uuid
 
 import pytest
-from _task_support import (
-    TIMEOUT,
-    Gates,
-    Recorder,
-    Runs,
-    assert_no_overlap,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    locked,
-)
+from _task_support import TIMEOUT, Gates, Runs, TaskEvents, assert_no_overlap, locked
 from celery import Celery
 from celery.exceptions import TaskRevokedError
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("collect_results")]
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
@@ -67,7 +59,7 @@ def test_duplicates_over_rabbitmq(redis_server, run_worker):
             runs.end(run)
 
     try:
-        with Recorder(app) as rec, run_worker(app, pool="threads", concurrency=4):
+        with TaskEvents(app) as rec, run_worker(app, pool="threads", concurrency=4):
             # skip: REVOKED at once, naming the key and the holder
             k = f"amqp-{uuid.uuid4().hex[:8]}"
             holder = skip_job.delay(k, "holder")
@@ -85,7 +77,7 @@ def test_duplicates_over_rabbitmq(redis_server, run_worker):
             holder2 = retry_job.delay(k2, "holder")
             runs.wait_started(k2)
             dups = [retry_job.delay(k2, f"d{i}") for i in range(2)]
-            rec.wait("duplicate", dups[0].id)
+            rec.wait_for("duplicate_skipped", task_id=dups[0].id)
             gates.open(k2)
             assert holder2.get(timeout=TIMEOUT) == "holder"
             assert sorted(d.get(timeout=TIMEOUT) for d in dups) == ["d0", "d1"]
