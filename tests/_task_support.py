@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -96,7 +97,8 @@ class Run:
 
 
 class Runs:
-    """Execution intervals of in-process bodies: ``with runs.body(key, task_id): ...``."""
+    """Execution intervals of in-process bodies: ``runs.begin(...)`` then ``runs.end(run)``, or
+    :meth:`gated` for the common body."""
 
     def __init__(self) -> None:
         self.all: list[Run] = []
@@ -113,6 +115,19 @@ class Runs:
         with self._cond:
             run.end = time.time()
             self._cond.notify_all()
+
+    def gated(self, key: str, task_id: str, tag: str, gates: Gates, fail: str = "") -> str:
+        """The common test body: recorded from start to end; the ``"holder"`` waits on its key's gate
+        first (the test decides when it ends); ``fail``: the tag that raises RuntimeError instead."""
+        run = self.begin(key, task_id, tag=tag)
+        try:
+            if tag == "holder":
+                gates.wait(key)
+            if tag == fail:
+                raise RuntimeError(fail)
+            return tag
+        finally:
+            self.end(run)
 
     def of(self, key: str | None = None, task_id: str | None = None) -> list[Run]:
         with self._cond:
@@ -203,3 +218,12 @@ def start_worker_process(
         extra=extra,
     )
     return w.start()
+
+
+def rabbit_up() -> bool:
+    """Whether something accepts connections on RabbitMQ's port on this machine (127.0.0.1:5672)."""
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
+            return True
+    except OSError:
+        return False

@@ -19,7 +19,6 @@ import contextlib
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +28,15 @@ import uuid
 import pytest
 from _apps import make_app
 from _fault_proxy import FaultProxy
-from _task_support import ROOT, TIMEOUT, assert_no_overlap, load_worker_app, locked, start_worker_process
+from _task_support import (
+    ROOT,
+    TIMEOUT,
+    assert_no_overlap,
+    load_worker_app,
+    locked,
+    rabbit_up,
+    start_worker_process,
+)
 from celery import Celery
 
 from celery_singleton_lock import LockedTask, LockServer, LockWaitTimeout, held
@@ -47,14 +54,6 @@ LOCK_TTL = 2.0
 FILLER = 0.05  # seconds per backlog task
 SWEEP_SLACK = SWEEP_INTERVAL * 1.25 + SWEEP_LEASE + 5.0  # a sweeper's look, plus a loaded machine's slack
 WORKER_ENV = {"CSL_LOCK_TTL": str(LOCK_TTL), "CSL_JOURNAL_HANDOFF": "1", "CSL_PREFETCH": "4"}
-
-
-def rabbit_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 class Nodes:

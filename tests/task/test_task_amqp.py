@@ -5,25 +5,16 @@ its own, deleted at the end."""
 from __future__ import annotations
 
 import gc
-import socket
 import uuid
 
 import pytest
-from _task_support import TIMEOUT, Gates, Runs, TaskEvents, assert_no_overlap, locked
+from _task_support import TIMEOUT, Gates, Runs, TaskEvents, assert_no_overlap, locked, rabbit_up
 from celery import Celery
 from celery.exceptions import TaskRevokedError
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("collect_results")]
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
-
-
-def rabbit_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not rabbit_up(), reason="RabbitMQ: nothing accepts connections on 127.0.0.1:5672")
@@ -40,23 +31,11 @@ def test_duplicates_over_rabbitmq(redis_server, run_worker):
 
     @locked(app, lock_key=["k"], on_duplicate="skip")
     def skip_job(self, k, tag):
-        run = runs.begin(k, self.request.id, tag=tag)
-        try:
-            if tag == "holder":
-                gates.wait(k)
-            return tag
-        finally:
-            runs.end(run)
+        return runs.gated(k, self.request.id, tag, gates)
 
     @locked(app, lock_key=["k"], on_duplicate="retry", lock_max_retries=10_000)
     def retry_job(self, k, tag):
-        run = runs.begin(k, self.request.id, tag=tag)
-        try:
-            if tag == "holder":
-                gates.wait(k)
-            return tag
-        finally:
-            runs.end(run)
+        return runs.gated(k, self.request.id, tag, gates)
 
     try:
         with TaskEvents(app) as rec, run_worker(app, pool="threads", concurrency=4):
