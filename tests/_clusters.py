@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from _fault_proxy import FaultProxy
 
-from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess
+from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -73,3 +76,32 @@ def _restore(saved: dict[str, str | None]) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+# -- what the apps' bodies journal (apps/_slot_journal.py: db 3 of the cluster's server) ----------
+
+
+def new_key() -> str:
+    """A key no other test uses."""
+    return uuid.uuid4().hex[:12]
+
+
+def runs(env: ModuleType, key: str) -> list[dict]:
+    """The bodies of ``key`` that ran to their end, in order."""
+    return [json.loads(r) for r in env.journal.lrange(f"runs:{key}", 0, -1)]
+
+
+def starts(env: ModuleType, key: str) -> list[dict]:
+    """The bodies of ``key`` that started, in order."""
+    return [json.loads(r) for r in env.journal.lrange(f"started:{key}", 0, -1)]
+
+
+def started(env: ModuleType, key: str, count: int = 1, timeout: float = 40) -> list[dict]:
+    """Wait until ``count`` bodies of ``key`` started; they."""
+    return wait_until(lambda: len(starts(env, key)) >= count and starts(env, key), timeout,
+                      what=f"{count} run(s) of {key} to start")
+
+
+def state_of(result: Any) -> str:
+    """The stored state of ``result``, read from the backend now (not cached)."""
+    return str(result.backend.get_task_meta(result.id, cache=False)["status"])

@@ -1,6 +1,6 @@
 """Helpers shared by the test files, the task hooks' (tests/task/) first (not a test module itself).
 
-* ``Recorder``: collects our signals (and task_postrun) for one app, thread-safe, with waits.
+* ``TaskEvents``: the shipped ``LockEvents`` for one app's tasks, plus Celery's task_postrun.
 * ``Gates``: named threading.Events that task bodies wait on, so a test decides when a
   holder ends instead of sleeping.
 * ``Runs``: the execution intervals of in-process task bodies.
@@ -13,10 +13,10 @@
 
 from __future__ import annotations
 
-import gc
 import importlib
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -25,23 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 from celery.signals import task_postrun
 
 from celery_singleton_lock import LockedTask
-from celery_singleton_lock.signals import duplicate_skipped, lock_acquired, lock_released
+from celery_singleton_lock.testing.events import LockEvents
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 30.0  # generous: two cores, other developers' tests running beside ours
-
-
-@pytest.fixture(autouse=True)
-def collect_results():
-    """After each test, collect its garbage while the Redis server still runs: AsyncResult's
-    __del__ unsubscribes from the result backend, and fails noisily once the server is gone."""
-    yield
-    gc.collect()
 
 
 def locked(app, **opts):
@@ -50,78 +41,26 @@ def locked(app, **opts):
     return app.task(base=LockedTask, shared=False, **opts)
 
 
-@dataclass
-class Event:
-    kind: str  # acquired | released | duplicate | postrun
-    task_id: str
-    key: str | None = None
-    at: float = field(default_factory=time.time)
-    data: dict[str, Any] = field(default_factory=dict)
+class TaskEvents(LockEvents):
+    """The shipped :class:`LockEvents` for one app's tasks, with :data:`TIMEOUT` deadlines, that
+    also records Celery's ``task_postrun`` (not our signal) as ``"task_postrun"`` (``e.kwargs["state"]``)."""
 
+    POSTRUN = "task_postrun"
 
-class Recorder:
-    """Our signals, for the tasks of one app, as a list of Events."""
+    def __init__(self, app, timeout: float = TIMEOUT) -> None:
+        super().__init__(timeout, app=app)
 
-    def __init__(self, app) -> None:
-        self.app = app
-        self.events: list[Event] = []
-        self._cond = threading.Condition()
-        self._receivers = [
-            (lock_acquired, self._acquired),
-            (lock_released, self._released),
-            (duplicate_skipped, self._duplicate),
-            (task_postrun, self._postrun),
-        ]
+    def start(self) -> None:
+        if self._receivers:
+            return
+        super().start()
+        receiver = self._receiver(self.POSTRUN)
+        task_postrun.connect(receiver, weak=False)
+        self._receivers.append((task_postrun, receiver))
 
-    def __enter__(self) -> Recorder:
-        for signal, receiver in self._receivers:
-            signal.connect(receiver, weak=False)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for signal, receiver in self._receivers:
-            signal.disconnect(receiver)
-
-    def _ours(self, sender) -> bool:
-        return getattr(sender, "app", None) is self.app
-
-    def _add(self, event: Event) -> None:
-        with self._cond:
-            self.events.append(event)
-            self._cond.notify_all()
-
-    def _acquired(self, sender=None, key=None, task_id=None, lock=None, **_):
-        if self._ours(sender):
-            self._add(Event("acquired", task_id, key, data={"lock": lock}))
-
-    def _released(self, sender=None, key=None, task_id=None, state=None, deleted=None, **_):
-        if self._ours(sender):
-            self._add(Event("released", task_id, key, data={"state": state, "deleted": deleted}))
-
-    def _duplicate(self, sender=None, key=None, task_id=None, holder_task_id=None, policy=None, **_):
-        if self._ours(sender):
-            self._add(Event("duplicate", task_id, key, data={"holder": holder_task_id, "policy": policy}))
-
-    def _postrun(self, sender=None, task_id=None, state=None, **_):
-        if self._ours(sender):
-            self._add(Event("postrun", task_id, data={"state": state}))
-
-    def of(self, kind: str, task_id: str | None = None) -> list[Event]:
-        with self._cond:
-            return [e for e in self.events if e.kind == kind and (task_id is None or e.task_id == task_id)]
-
-    def wait(self, kind: str, task_id: str | None = None, count: int = 1, timeout: float = TIMEOUT) -> list[Event]:
-        """Wait until ``count`` events of ``kind`` (for ``task_id``) were seen; return them."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                found = [e for e in self.events if e.kind == kind and (task_id is None or e.task_id == task_id)]
-                if len(found) >= count:
-                    return found
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"timed out after {timeout}s waiting for {count} {kind} event(s) of {task_id}")
-                self._cond.wait(left)
+    @property
+    def signal_names(self) -> list[str]:
+        return [*super().signal_names, self.POSTRUN]
 
 
 class Gates:
@@ -158,7 +97,8 @@ class Run:
 
 
 class Runs:
-    """Execution intervals of in-process bodies: ``with runs.body(key, task_id): ...``."""
+    """Execution intervals of in-process bodies: ``runs.begin(...)`` then ``runs.end(run)``, or
+    :meth:`gated` for the common body."""
 
     def __init__(self) -> None:
         self.all: list[Run] = []
@@ -175,6 +115,19 @@ class Runs:
         with self._cond:
             run.end = time.time()
             self._cond.notify_all()
+
+    def gated(self, key: str, task_id: str, tag: str, gates: Gates, fail: str = "") -> str:
+        """The common test body: recorded from start to end; the ``"holder"`` waits on its key's gate
+        first (the test decides when it ends); ``fail``: the tag that raises RuntimeError instead."""
+        run = self.begin(key, task_id, tag=tag)
+        try:
+            if tag == "holder":
+                gates.wait(key)
+            if tag == fail:
+                raise RuntimeError(fail)
+            return tag
+        finally:
+            self.end(run)
 
     def of(self, key: str | None = None, task_id: str | None = None) -> list[Run]:
         with self._cond:
@@ -265,3 +218,12 @@ def start_worker_process(
         extra=extra,
     )
     return w.start()
+
+
+def rabbit_up() -> bool:
+    """Whether something accepts connections on RabbitMQ's port on this machine (127.0.0.1:5672)."""
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
+            return True
+    except OSError:
+        return False

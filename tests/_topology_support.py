@@ -35,15 +35,7 @@ def check_contract(app) -> None:
     def make(name, policy, **opts):
         @locked(app, lock_key=["k"], on_duplicate=policy, name=f"topo.{name}", **opts)
         def body(self, k, tag):
-            run = runs.begin(k, self.request.id, tag=tag)
-            try:
-                if tag == "holder":
-                    gates.wait(k)
-                if tag == "boom":
-                    raise RuntimeError("boom")
-                return tag
-            finally:
-                runs.end(run)
+            return runs.gated(k, self.request.id, tag, gates, fail="boom")
 
         return body
 

@@ -6,6 +6,7 @@ is started by the fixture on a free port and stopped by PID.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from collections.abc import Iterator
@@ -18,6 +19,15 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess
+
+
+@pytest.fixture
+def collect_results() -> Iterator[None]:
+    """After the test, collect its garbage while the Redis server still runs: AsyncResult's __del__
+    unsubscribes from the result backend, and fails noisily once the server is gone. Modules whose
+    tests hold results use it: ``pytestmark = [..., pytest.mark.usefixtures("collect_results")]``."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -83,7 +83,9 @@ class LockEvents:
     (``celery.contrib.testing.worker.start_worker``, celery's ``celery_worker`` fixture),
     not ``celery worker`` subprocesses. Every wait has a deadline (``timeout`` seconds,
     :data:`DEFAULT_TIMEOUT` unless told), and a failed one raises ``AssertionError``
-    listing what was recorded.
+    listing what was recorded. Given ``app`` (a Celery app), it records only the signals
+    sent by that app's tasks, so tasks of other apps running in the same process
+    (another test's worker still stopping, say) do not show up.
 
         with LockEvents() as events:   # or the singleton_lock_events fixture
             holder = rebuild.delay(7)
@@ -92,8 +94,10 @@ class LockEvents:
             events.assert_duplicate(dup, of=holder, policy="skip")
     """
 
-    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT, *, app: Any = None) -> None:
         self.timeout = timeout
+        self.app = app
+        """The Celery app whose tasks' signals are recorded; None: every task's."""
         self._events: list[LockEvent] = []
         self._cond = threading.Condition()
         self._receivers: list[tuple[Any, Callable[..., None]]] = []
@@ -126,6 +130,8 @@ class LockEvents:
 
     def _receiver(self, name: str) -> Callable[..., None]:
         def receive(sender: Any = None, **kwargs: Any) -> None:
+            if self.app is not None and getattr(sender, "app", None) is not self.app:
+                return
             kwargs.pop("signal", None)
             with self._cond:
                 self._events.append(LockEvent(len(self._events), name, sender, dict(kwargs)))

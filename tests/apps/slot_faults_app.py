@@ -104,34 +104,25 @@ def _handed_then_maybe_die(task: Any, request: Any, args: Any, kwargs: Any, *res
 policies._in_slot = _handed_then_maybe_die  # type: ignore[assignment]
 
 
-@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_max_wait=20.0)
-def inline(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
-    """Waits in line with no slot wait: its turn comes as a message, whose claim the tests fault."""
-    return run_body(journal, self, key, seconds, tag)
+def journaled(name: str, **opts: Any) -> Any:
+    """A LockedTask on ``key`` named ``name`` in this module, whose body journals its run (``run_body``)."""
+
+    def body(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> dict:
+        return run_body(journal, self, key, seconds, tag)
+
+    return app.task(base=LockedTask, bind=True, lock_key=["key"], name=f"{__name__}.{name}", **opts)(body)
 
 
-@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="coalesce", lock_max_wait=20.0)
-def merging(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
-    """Coalesces: a call that finds a waiter parked behind the holder merges into it (no slot wait)."""
-    return run_body(journal, self, key, seconds, tag)
-
-
-@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_publish="join")
-def joining(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
-    """A publish of it while a call of its key is published and not yet started joins that call."""
-    return run_body(journal, self, key, seconds, tag)
-
-
-@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_cooldown=1.0)
-def cooling(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
-    """The key stays taken 1 s after each run; the next waiter gets it from the sweeper then."""
-    return run_body(journal, self, key, seconds, tag)
-
-
-@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_max_wait=1.5)
-def impatient(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
-    """Waits in line 1.5 s at most, then fails with LockWaitTimeout."""
-    return run_body(journal, self, key, seconds, tag)
+# Waits in line with no slot wait: its turn comes as a message, whose claim the tests fault.
+inline = journaled("inline", on_duplicate="retry", lock_max_wait=20.0)
+# Coalesces: a call that finds a waiter parked behind the holder merges into it (no slot wait).
+merging = journaled("merging", on_duplicate="coalesce", lock_max_wait=20.0)
+# A publish of it while a call of its key is published and not yet started joins that call.
+joining = journaled("joining", on_duplicate="retry", lock_publish="join")
+# The key stays taken 1 s after each run; the next waiter gets it from the sweeper then.
+cooling = journaled("cooling", on_duplicate="retry", lock_cooldown=1.0)
+# Waits in line 1.5 s at most, then fails with LockWaitTimeout.
+impatient = journaled("impatient", on_duplicate="retry", lock_max_wait=1.5)
 
 
 @app.task

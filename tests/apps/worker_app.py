@@ -62,28 +62,27 @@ def hold(self, key: str, seconds: float, tag: str = "") -> dict:
     return {"pid": os.getpid(), "fence": lock.fencing_token, "lost": lock.lost, "tag": tag}
 
 
-@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry")
-def hold_retry(self, key: str, seconds: float, tag: str = "") -> dict:
+def sleep_recorded(name: str, key: str, seconds: float, tag: str) -> dict:
+    """Sleep ``seconds``, record the interval under ``name``; the pid and the tag."""
     start = time.time()
     time.sleep(seconds)
-    record("hold_retry", key, start, time.time())
+    record(name, key, start, time.time())
     return {"pid": os.getpid(), "tag": tag}
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry")
+def hold_retry(self, key: str, seconds: float, tag: str = "") -> dict:
+    return sleep_recorded("hold_retry", key, seconds, tag)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="skip")
 def hold_skip(self, key: str, seconds: float, tag: str = "") -> dict:
-    start = time.time()
-    time.sleep(seconds)
-    record("hold_skip", key, start, time.time())
-    return {"pid": os.getpid(), "tag": tag}
+    return sleep_recorded("hold_skip", key, seconds, tag)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="raise")
 def hold_raise(self, key: str, seconds: float, tag: str = "") -> dict:
-    start = time.time()
-    time.sleep(seconds)
-    record("hold_raise", key, start, time.time())
-    return {"pid": os.getpid(), "tag": tag}
+    return sleep_recorded("hold_raise", key, seconds, tag)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="skip")

@@ -13,16 +13,12 @@ import uuid
 
 import pytest
 from _apps import make_app
-from _task_support import (
-    TIMEOUT,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    locked,
-)
+from _task_support import TIMEOUT, locked
 
 from celery_singleton_lock import LockContended, LockError, LockLost, LockServer, SelfDeadlock, held
 from celery_singleton_lock.testing.servers import Monitor, wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("collect_results")]
 
 
 def new_name() -> str:

@@ -15,11 +15,10 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-from _clusters import worker_cluster
+from _clusters import new_key, runs, started, state_of, worker_cluster
 from _task_support import assert_no_overlap
 from celery import chain
 
@@ -41,23 +40,6 @@ def env(tmp_path_factory):
         yield module
 
 
-def _key() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-def runs(env, key):
-    return [json.loads(r) for r in env.journal.lrange(f"runs:{key}", 0, -1)]
-
-
-def started(env, key, count=1):
-    return wait_until(lambda: len(env.journal.lrange(f"started:{key}", 0, -1)) >= count, TIMEOUT,
-                      what=f"{count} run(s) of {key} to start")
-
-
-def state_of(result):
-    return result.backend.get_task_meta(result.id, cache=False)["status"]
-
-
 # -- coalesce ------------------------------------------------------------------------------------------
 
 
@@ -65,7 +47,7 @@ def test_coalesce_burst_runs_once_more_with_the_latest_arguments(env):
     """1 holder of 2 s, then 50 duplicates in about a second: exactly 2 runs in all, the follow-up with
     the latest call's arguments, every AsyncResult resolved to the value of the run that covered it,
     and the chain of a merged call fired once."""
-    key = _key()
+    key = new_key()
     merges = []
     duplicate_coalesced.connect(lambda sender=None, **kw: merges.append(kw), weak=False)  # (client: not sent here)
     holder = env.refresh.delay(key, 2.0, "holder")
@@ -90,7 +72,7 @@ def test_coalesce_burst_runs_once_more_with_the_latest_arguments(env):
 
 
 def test_coalesce_failure_fails_every_merged_call_and_calls_its_errbacks(env):
-    key = _key()
+    key = new_key()
     holder = env.refresh_fails.delay(key, 1.5, "holder")
     started(env, key)
     first = env.refresh_fails.delay(key, 0.0, "first")
@@ -119,7 +101,7 @@ def _holder_of(env, key_name):
 
 
 def test_cooldown_skip_skips_within_the_window_then_runs(env):
-    key = _key()
+    key = new_key()
     first = env.cool_skip.delay(key, 0.0, "first")
     assert first.get(timeout=TIMEOUT)["tag"] == "first"
     lock_key = env.cool_skip.lock_key_for((key,), {})
@@ -133,7 +115,7 @@ def test_cooldown_skip_skips_within_the_window_then_runs(env):
 
 
 def test_cooldown_retry_runs_when_the_cooldown_ends(env):
-    key = _key()
+    key = new_key()
     first = env.cool_retry.delay(key, 0.0, "first")
     first.get(timeout=TIMEOUT)
     dup = env.cool_retry.delay(key, 0.0, "dup")
@@ -144,7 +126,7 @@ def test_cooldown_retry_runs_when_the_cooldown_ends(env):
 
 
 def test_cooldown_coalesce_makes_one_follow_up_after_the_cooldown(env):
-    key = _key()
+    key = new_key()
     env.cool_coalesce.delay(key, 0.0, "first").get(timeout=TIMEOUT)
     dups = []
     for i in range(5):
@@ -158,7 +140,7 @@ def test_cooldown_coalesce_makes_one_follow_up_after_the_cooldown(env):
 
 
 def test_a_failed_run_has_no_cooldown(env):
-    key = _key()
+    key = new_key()
     with pytest.raises(ValueError):
         env.cool_fails.delay(key, "first").get(timeout=TIMEOUT)
     assert _holder_of(env, env.cool_fails.lock_key_for((key,), {})) is None
@@ -171,7 +153,7 @@ def test_a_failed_run_has_no_cooldown(env):
 
 
 def test_join_from_threads_publishes_one_and_returns_it_to_all(env):
-    key = _key()
+    key = new_key()
     n = 16
     barrier = threading.Barrier(n)
     ids: list[str] = []
@@ -194,7 +176,7 @@ def test_join_from_threads_publishes_one_and_returns_it_to_all(env):
 
 
 def test_join_from_processes_publishes_one(env, tmp_path):
-    key = _key()
+    key = new_key()
     go = tmp_path / "go"
     script = (
         "import os, sys, time; sys.path.insert(0, os.environ['TESTS'])\n"
@@ -217,7 +199,7 @@ def test_join_from_processes_publishes_one(env, tmp_path):
 
 
 def test_join_finds_a_running_call_that_was_sent_without_a_mark(env):
-    key = _key()
+    key = new_key()
     running = env.app.send_task("apps.dedupe_app.joined", (key, 1.5, "sent"))
     started(env, key)
     joined = env.joined.delay(key, 0.0, "late")
@@ -226,7 +208,7 @@ def test_join_finds_a_running_call_that_was_sent_without_a_mark(env):
 
 
 def test_raise_names_the_pending_call_and_pickles(env):
-    key = _key()
+    key = new_key()
     seen = []
     publish_joined.connect(lambda sender=None, **kw: seen.append(kw), weak=False)
     first = env.refused.delay(key, 1.0, "first")
@@ -242,7 +224,7 @@ def test_raise_names_the_pending_call_and_pickles(env):
 def test_a_purged_message_frees_the_key_within_lock_publish_ttl(env):
     """The message is lost in the broker (a queue nobody reads, then purged): the mark blocks
     publishes for at most lock_publish_ttl (2 s here), then the key is free."""
-    key = _key()
+    key = new_key()
     queue = f"nowhere-{key}"
     lost = env.refused.apply_async((key, 0.0, "lost"), queue=queue)
     broker = env.server.client(0)
@@ -265,7 +247,7 @@ def test_a_purged_message_frees_the_key_within_lock_publish_ttl(env):
 
 
 def test_the_mark_goes_when_the_call_starts_and_a_crashed_run_blocks_nothing(env):
-    key = _key()
+    key = new_key()
     first = env.joined.delay(key, 0.5, "first")
     started(env, key)
     mark = layout.publish_mark(env.joined.lock_key_for((key,), {}))
@@ -278,7 +260,7 @@ def test_the_mark_goes_when_the_call_starts_and_a_crashed_run_blocks_nothing(env
 def test_a_call_revoked_while_queued_frees_its_mark(env):
     """Revoked before it started: the worker drops it (task_revoked), and its mark goes with it rather
     than blocking publishes for lock_publish_ttl (600 s for this task)."""
-    key = _key()
+    key = new_key()
     queued = env.joined.apply_async((key, 0.0, "revoked"), countdown=2)
     mark = layout.publish_mark(env.joined.lock_key_for((key,), {}))
     assert env.server.client(2).get(mark).decode() == queued.id
@@ -303,7 +285,7 @@ def kept(env, key: str) -> dict[str, list[str]]:
 def test_a_duplicate_handed_the_key_while_it_waits_in_its_slot_runs_there(env):
     """lock_wait_in_slot=1: a duplicate behind a 0.3 s holder is woken by the release and runs in the
     same delivery (no turn message, never WAITING), after the holder, in line order."""
-    key = _key()
+    key = new_key()
     holder = env.in_slot.delay(key, 0.3, "holder")
     started(env, key)
     dups = [env.in_slot.delay(key, 0.05, f"d{i}") for i in range(2)]
@@ -318,7 +300,7 @@ def test_a_duplicate_handed_the_key_while_it_waits_in_its_slot_runs_there(env):
 
 
 def test_a_long_holder_makes_the_slot_waiter_park_and_it_runs_in_its_turn(env):
-    key = _key()
+    key = new_key()
     holder = env.in_slot.delay(key, 2.5, "holder")
     started(env, key)
     dup = env.in_slot.delay(key, 0.0, "late")
@@ -338,7 +320,7 @@ def test_a_slot_waiter_killed_while_it_waits_runs_in_its_turn_from_its_parked_me
 
     from celery_singleton_lock.engine import layout
 
-    key = _key()
+    key = new_key()
     holder = env.in_slot.delay(key, 3.0, "holder")
     started(env, key)
     dup = env.in_slot.delay(key, 0.0, "dup")
@@ -367,7 +349,7 @@ def test_a_slot_waiter_woken_while_stopped_past_the_ttl_gets_its_turn_as_a_messa
     none overlap."""
     import signal
 
-    key = _key()
+    key = new_key()
     holder = env.in_slot_long.delay(key, 2.0, "holder")
     started(env, key)
     lock_key = env.in_slot_long.lock_key_for((key,), {})
@@ -399,7 +381,7 @@ def test_a_slot_waiter_woken_while_stopped_past_the_ttl_gets_its_turn_as_a_messa
 def test_a_slot_waiter_woken_after_a_long_wait_claims_the_key_and_runs_there(env):
     """A wait in the slot longer than a third of the TTL (5 s here): woken, the waiter claims the key
     and runs in the same delivery (nothing is sent again)."""
-    key = _key()
+    key = new_key()
     holder = env.in_slot_long.delay(key, 2.5, "holder")
     started(env, key)
     dup = env.in_slot_long.delay(key, 0.0, "dup")

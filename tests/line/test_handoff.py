@@ -33,14 +33,7 @@ import uuid
 
 import pytest
 from _backends import BACKENDS, backend_of, lock_store
-from _task_support import (
-    ROOT,
-    TIMEOUT,
-    assert_no_overlap,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    load_worker_app,
-    start_worker_process,
-)
+from _task_support import ROOT, TIMEOUT, assert_no_overlap, load_worker_app, start_worker_process
 from celery import chain, chord
 from celery.exceptions import WorkerLostError
 
@@ -51,7 +44,7 @@ from celery_singleton_lock.engine.lock import slot_safe
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies.etcd import EtcdLockServer
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("collect_results")]
 
 LOCK_TTL = 3.0  # the workers' singleton_lock_ttl here (CSL_LOCK_TTL)
 SWEEP_LATE = SWEEP_INTERVAL * 1.25  # the sweeper's longest pause between two looks (jittered +-25%)

@@ -19,7 +19,6 @@ import contextlib
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -33,9 +32,9 @@ from _task_support import (
     ROOT,
     TIMEOUT,
     assert_no_overlap,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
     load_worker_app,
     locked,
+    rabbit_up,
     start_worker_process,
 )
 from celery import Celery
@@ -48,21 +47,13 @@ from celery_singleton_lock.engine.line import SWEEP_INTERVAL, SWEEP_LEASE
 from celery_singleton_lock.engine.lock import Handoff, Lock, slot_safe
 from celery_singleton_lock.testing.servers import wait_until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("collect_results")]
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 LOCK_TTL = 2.0
 FILLER = 0.05  # seconds per backlog task
 SWEEP_SLACK = SWEEP_INTERVAL * 1.25 + SWEEP_LEASE + 5.0  # a sweeper's look, plus a loaded machine's slack
 WORKER_ENV = {"CSL_LOCK_TTL": str(LOCK_TTL), "CSL_JOURNAL_HANDOFF": "1", "CSL_PREFETCH": "4"}
-
-
-def rabbit_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 class Nodes:

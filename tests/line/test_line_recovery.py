@@ -35,10 +35,9 @@ from _task_support import (
     RESTORE_FAST,
     TIMEOUT,
     Gates,
-    Recorder,
     Runs,
+    TaskEvents,
     assert_no_overlap,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
     load_worker_app,
     locked,
     redeliver,
@@ -52,7 +51,7 @@ from celery_singleton_lock.engine.lock import Release
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies.etcd import EtcdLockServer
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("collect_results")]
 
 LOCK_TTL = 3.0
 LATE = {"CSL_LOCK_TTL": str(LOCK_TTL), "CSL_JOURNAL_HANDOFF": "1", "CSL_ACKS_LATE": "1", "CSL_REJECT_ON_LOST": "1"}
@@ -203,11 +202,11 @@ def test_two_messages_with_one_token_never_both_hold_the_lock(redis_server, run_
     orphan = job.lock_server().acquire(job.lock_key_for((k,)), 30, owner_id=task_id, token=old)
     assert orphan.token == old
     headers = {"singleton_lock_token": old, "singleton_lock_unreachable": 1}
-    with Recorder(app) as rec, run_worker(app, pool="threads", concurrency=3):
+    with TaskEvents(app) as rec, run_worker(app, pool="threads", concurrency=3):
         first = job.apply_async((k,), task_id=task_id, headers=headers)
         runs.wait_started(k)
         redeliver(redis_server.client(0), job, (k,), task_id, queue, headers=headers)
-        wait_until(lambda: second_started.is_set() or rec.of("duplicate", task_id), TIMEOUT, 0.02,
+        wait_until(lambda: second_started.is_set() or rec.of("duplicate_skipped", task_id=task_id), TIMEOUT, 0.02,
                    "the redelivery to be decided")
         gates.open(k)
         assert first.get(timeout=TIMEOUT) == k
@@ -215,7 +214,7 @@ def test_two_messages_with_one_token_never_both_hold_the_lock(redis_server, run_
                    "the redelivered copy to leave the line")
     assert len(runs.of(k)) == 1, "two messages with one token both held the lock"
     assert runs.of(k)[0].info["token"] != old  # taken back under a new token
-    assert [e.data["policy"] for e in rec.of("duplicate", task_id)] == ["redelivery"]
+    assert [e.policy for e in rec.of("duplicate_skipped", task_id=task_id)] == ["redelivery"]
     assert_no_overlap([(r.start, r.end) for r in runs.of(k)])
 
 
@@ -359,11 +358,11 @@ def test_redelivery_of_a_parked_message_whose_turn_ran_and_failed_keeps_its_fail
             runs.end(run)
 
     k = f"k-{uuid.uuid4().hex[:8]}"
-    with Recorder(app) as rec, run_worker(app, pool="threads", concurrency=3):
+    with TaskEvents(app) as rec, run_worker(app, pool="threads", concurrency=3):
         holder = job.delay(k, "gate-1")
         runs.wait_started(k)
         waiter = job.delay(k, "fail")
-        rec.wait("duplicate", waiter.id)  # parked
+        rec.wait_for("duplicate_skipped", task_id=waiter.id)  # parked
         gates.open("gate-1")
         with pytest.raises(ValueError):
             waiter.get(timeout=TIMEOUT)
@@ -371,12 +370,12 @@ def test_redelivery_of_a_parked_message_whose_turn_ran_and_failed_keeps_its_fail
         other = job.delay(k, "gate-2")
         wait_until(lambda: runs.of(k, other.id), TIMEOUT, 0.02, "another call to hold the key")
         redeliver(redis_server.client(0), job, (k, "fail"), waiter.id, queue)
-        rec.wait("duplicate", waiter.id, count=2)
+        rec.wait_for("duplicate_skipped", task_id=waiter.id, count=2)
         meta = app.backend.get_task_meta(waiter.id, cache=False)
         assert meta["status"] == "FAILURE", f"the redelivery overwrote the FAILURE with {meta['status']}"
         gates.open("gate-2")
         assert other.get(timeout=TIMEOUT) == "gate-2"
-        rec.wait("postrun", other.id)
+        rec.wait_for("task_postrun", task_id=other.id)
     assert [r.task_id for r in runs.of(k)] == [holder.id, waiter.id, other.id], "the waiter ran twice"
 
 
@@ -464,17 +463,17 @@ def test_a_redelivery_that_never_ran_meets_the_skip_policy(redis_server, run_wor
             runs.end(run)
 
     k = f"k-{uuid.uuid4().hex[:8]}"
-    with Recorder(app) as rec, run_worker(app, pool="threads", concurrency=3):
+    with TaskEvents(app) as rec, run_worker(app, pool="threads", concurrency=3):
         holder = job.delay(k, "gate")
         runs.wait_started(k)
         unstarted = str(uuid.uuid4())
         redeliver(redis_server.client(0), job, (k, "ok"), unstarted, queue)
-        [event] = rec.wait("duplicate", unstarted)
-        assert event.data["policy"] == "skip", f"a never-run redelivery bypassed skip ({event.data['policy']})"
+        [event] = rec.wait_for("duplicate_skipped", task_id=unstarted)
+        assert event.policy == "skip", f"a never-run redelivery bypassed skip ({event.policy})"
         wait_until(lambda: app.AsyncResult(unstarted).state == "REVOKED", TIMEOUT, 0.05, "REVOKED")
         gates.open(k)
         assert holder.get(timeout=TIMEOUT) == "gate"
-        rec.wait("postrun", unstarted)
+        rec.wait_for("task_postrun", task_id=unstarted)
     assert [r.task_id for r in runs.of(k)] == [holder.id]
 
 

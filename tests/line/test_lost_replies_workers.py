@@ -11,12 +11,10 @@ happened (the reply was dropped), so none passes vacuously.
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
 
 import pytest
-from _clusters import worker_cluster
+from _clusters import new_key, runs, started
 from _fault_proxy import sha_of
 from _task_support import assert_no_overlap
 
@@ -28,24 +26,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 TIMEOUT = 40
 QUIET = 2.0  # after the last run: long enough for a late twin (a re-send, a recovered copy) to run
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    with worker_cluster("slot_faults_app", tmp_path_factory.mktemp("lost_replies"), lock_proxy=True) as module:
-        yield module
-
-
-def _key() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-def runs(env, key):
-    return [json.loads(r) for r in env.journal.lrange(f"runs:{key}", 0, -1)]
-
-
-def started(env, key, count=1):
-    wait_until(lambda: env.journal.llen(f"started:{key}") >= count, TIMEOUT, what=f"{count} run(s) of {key}")
 
 
 def parked(env, task, key, count=1):
@@ -81,7 +61,7 @@ def test_a_line_of_waiters_with_one_reply_lost(env, script):
     the holder started is lost."""
     pattern = sha_of({"PARK": line_scripts.PARK, "ACQUIRE": scripts.ACQUIRE, "RELEASE": scripts.RELEASE,
                       "RENEW_MANY": scripts.RENEW_MANY}[script])
-    k = _key()
+    k = new_key()
     errback = env.errback_log.s()
     holder = env.inline.apply_async((k, 1.5, "holder"), link_error=errback)
     started(env, k)
@@ -98,7 +78,7 @@ def test_a_coalesced_call_with_one_reply_lost(env, script):
     """A holder, a waiter, and a call merged into the waiter: the reply of the merge (a PARK that
     finds the waiter) or of the waiter's read of its merged calls is lost. One run covers both."""
     pattern = sha_of(line_scripts.PARK if script == "PARK" else dedupe.TAKE_MERGED)
-    k = _key()
+    k = new_key()
     holder = env.merging.delay(k, 1.0, "holder")
     started(env, k)
     waiter = env.merging.delay(k, 0.1, "waiter")
@@ -115,7 +95,7 @@ def test_a_joined_publish_with_one_reply_lost(env, script):
     second publish that joins it; then, once it ran, a third publish, which is a call of its own. The
     reply of the first PUBLISH, or of the UNMARK at its start, is lost: no phantom call is joined."""
     pattern = sha_of(dedupe.PUBLISH if script == "PUBLISH" else dedupe.UNMARK)
-    k = _key()
+    k = new_key()
     env.proxy.arm(pattern, 1)
     first = env.joining.apply_async((k, 0.1, "first"), countdown=1.0)
     joined = env.joining.delay(k, 0.1, "joined")
@@ -131,7 +111,7 @@ def test_a_cooldown_with_one_reply_lost(env, script):
     """``lock_cooldown``: the holder's release keeps the key 1 s, then the sweeper hands it to the
     waiter. The reply of that release, or of the sweeper's next SWEEP, is lost."""
     pattern = sha_of(scripts.RELEASE if script == "RELEASE" else line_scripts.SWEEP)
-    k = _key()
+    k = new_key()
     holder = env.cooling.delay(k, 0.5, "holder")
     started(env, k)
     waiter = env.cooling.delay(k, 0.1, "waiter")
@@ -147,7 +127,7 @@ def test_a_waiter_past_its_max_wait_with_the_sweeps_reply_lost(env):
     SWEEP that finds it expired is lost; sent again, it still names it: it ends LockWaitTimeout, its
     errback fires once, and it never runs."""
     pattern = sha_of(line_scripts.SWEEP)
-    k = _key()
+    k = new_key()
     holder = env.impatient.delay(k, 4.0, "holder")
     started(env, k)
     waiter = env.impatient.apply_async((k, 0.1, "waiter"), link_error=env.errback_log.s())
@@ -163,7 +143,7 @@ def test_the_fresh_release_with_its_reply_lost_is_not_a_lost_lock(env):
     """A holder with nobody behind it releases with the fresh release; its reply is lost and the
     release sent again: the run is not reported lost, and the next call takes the key at once."""
     pattern = sha_of(fresh.RELEASE_FRESH)
-    k = _key()
+    k = new_key()
     env.proxy.arm(pattern, 1)
     holder = env.inline.delay(k, 0.1, "holder")
     holder.get(timeout=TIMEOUT)

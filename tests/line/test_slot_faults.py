@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-from _clusters import worker_cluster
+from _clusters import new_key, runs, started, starts, state_of
 from _fault_proxy import sha_of
 from _task_support import assert_no_overlap
 
@@ -26,32 +25,6 @@ from celery_singleton_lock.testing.servers import wait_until
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 40
 QUIET = 2.0  # after the last expected run: long enough for a late twin (a re-send, a recovered copy) to run
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    with worker_cluster("slot_faults_app", tmp_path_factory.mktemp("slot_faults"), lock_proxy=True) as module:
-        yield module
-
-
-def _key() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-def runs(env, key):
-    return [json.loads(r) for r in env.journal.lrange(f"runs:{key}", 0, -1)]
-
-
-def starts(env, key):
-    return [json.loads(r) for r in env.journal.lrange(f"started:{key}", 0, -1)]
-
-
-def started(env, key, count=1):
-    return wait_until(lambda: len(starts(env, key)) >= count, TIMEOUT, what=f"{count} run(s) of {key} to start")
-
-
-def state_of(result):
-    return result.backend.get_task_meta(result.id, cache=False)["status"]
 
 
 def in_slot(env, task, key, count=1):
@@ -106,7 +79,7 @@ def test_slot_waiters_under_a_busy_queue_each_run_once_without_overlap(env):
     """Two hot keys whose duplicates arrive through a queue kept deep with other work (2 nodes x 2
     children): they wait in their slots, some are handed the key there, some park and come back as
     turns (or as a short hold's send-ahead). Every call runs once; no two bodies of a key overlap."""
-    keys = [_key() for _ in range(2)]
+    keys = [new_key() for _ in range(2)]
     holders = [env.slot.delay(k, 3.0, "holder") for k in keys]
     for k in keys:
         started(env, k)
@@ -140,7 +113,7 @@ def test_a_burst_on_one_hot_key_behind_a_busy_queue_runs_each_call_once_in_turn(
     """More duplicates of one key than there are worker slots, with short bodies, behind and among a
     backlog: the slot waiters are handed the key one after another, the rest park, and short holds send
     the next parked one ahead of its turn (to wait in a slot). Every call runs once, none overlap."""
-    k = _key()
+    k = new_key()
     false_losses = sum(w.log().count("lost their place") for w in env.workers)
     holder = env.slot.delay(k, 0.5, "holder")
     started(env, k)
@@ -176,7 +149,7 @@ def _restart_empty(env, down: float) -> None:
 
 def _restart_while_in_slot(env, down: float, task=None) -> None:
     task = task or env.slot_long
-    k = _key()
+    k = new_key()
     holder = task.delay(k, 3.0, "holder")
     started(env, k)
     dup = task.delay(k, 0.3, "dup")
@@ -228,7 +201,7 @@ def test_lock_data_lost_under_a_waiter_still_blocked_in_its_slot_runs_it_once_an
     process's sweeper sends the lost park again at once and that copy runs the call; the waiter, still
     in its slot, then ends its wait: its UNBLOCK finds no record (UNKNOWN). The call must run once, and
     its SUCCESS must stay (a WAITING stored over it would leave result.get() hanging)."""
-    k = _key()
+    k = new_key()
     holder = env.slot_long.delay(k, 1.0, "holder")
     started(env, k)
     dup = env.slot_long.delay(k, 0.3, "dup")
@@ -262,7 +235,7 @@ def test_lock_data_lost_then_the_recovered_copy_waits_in_a_slot_beside_the_origi
     the key; the recovered copy's wait then ends with its place gone. The call must run once, and no two
     bodies of the key may overlap (its 4 s body outlasts the rest of the recovered copy's slot wait)."""
     task = env.slot_ttl30
-    k = _key()
+    k = new_key()
     holder = task.delay(k, 0.5, "holder")
     started(env, k)
     dup = task.delay(k, 4.0, "dup")
@@ -298,7 +271,7 @@ def test_acks_late_waiter_killed_after_the_hand_off_before_its_body_runs_once(en
     release reserved for it (before its body). The key stays held by the dead waiter's token until the TTL; the
     broker delivers the message again, and it runs once, after the holder; the next waiter runs after
     it. No call is lost or doubled, no bodies overlap."""
-    k = _key()
+    k = new_key()
     holder = env.slot_late.delay(k, 1.0, "holder")
     started(env, k)
     env.journal.sadd("kill-handed", k)
@@ -327,7 +300,7 @@ def test_early_ack_waiter_killed_after_the_hand_off_frees_the_key_for_the_next(e
     runs, once, with no overlap."""
     from celery.exceptions import WorkerLostError
 
-    k = _key()
+    k = new_key()
     holder = env.slot.delay(k, 0.5, "holder")
     started(env, k)
     env.journal.sadd("kill-handed", k)
@@ -356,7 +329,7 @@ def test_unblock_reply_lost_twice_the_slot_copy_ends_and_the_entry_runs_once_in_
     now) but the reply is lost, twice (the client's own retry too): it ends as parked, and the entry
     runs once, in its turn's message, after the holder."""
     unblock = sha_of(line_scripts.UNBLOCK)
-    k = _key()
+    k = new_key()
     holder = env.slot.delay(k, 2.5, "holder")
     started(env, k)
     dup = env.slot.delay(k, 0.2, "dup")
@@ -380,7 +353,7 @@ def test_wake_up_and_unblock_replies_lost_the_woken_waiter_runs_once_in_its_turn
     woken, and ends as parked. The reservation runs out and the sweeper sends its turn: the call runs
     once, with no overlap, and the key is not left reserved for nobody (the next call runs)."""
     unblock = sha_of(line_scripts.UNBLOCK)
-    k = _key()
+    k = new_key()
     holder = env.slot.delay(k, 0.6, "holder")
     started(env, k)
     lock_key = env.slot.lock_key_for((k,), {})
@@ -410,7 +383,7 @@ def _turn_with_claim_faulted(env, fault) -> None:
     """A holder, a duplicate parked behind it, and ``fault`` armed on the claim (the full ACQUIRE with
     the waiter's entry) before the holder ends: each call runs once, in turn, and nothing twice."""
     claim = sha_of(scripts.ACQUIRE)
-    k = _key()
+    k = new_key()
     holder = env.inline.delay(k, 1.0, "holder")
     started(env, k)
     dup = env.inline.delay(k, 0.1, "dup")
@@ -454,38 +427,21 @@ def test_a_turns_claim_whose_reply_comes_too_late_is_given_back_and_the_call_sti
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_a_park_that_meets_a_dead_connection_twice_is_sent_again_and_runs_in_turn(env):
-    """The duplicate's PARK never reached Redis, twice (the client's own second send too): the call is
-    sent again, as when its acquire cannot reach Redis, parks, and runs once after the holder. It used
-    to fail with LockBackendUnavailable: a call lost."""
+@pytest.mark.parametrize("fault", ["refused", "reply_lost"])
+def test_a_park_that_fails_twice_is_sent_again_and_runs_once_in_turn(env, fault):
+    """The duplicate's PARK fails twice (the client's own second send too): it never reached Redis
+    (``refused``), or Redis ran it and the reply was lost (``reply_lost``). The call is sent again, as
+    when its acquire cannot reach Redis: it parks (or finds itself parked already) and runs once,
+    after the holder. It used to fail with LockBackendUnavailable: a call lost."""
     park = sha_of(line_scripts.PARK)
-    k = _key()
+    k = new_key()
     holder = env.inline.delay(k, 1.0, "holder")
     started(env, k)
-    env.proxy.refuse(park, 2)
+    (env.proxy.refuse if fault == "refused" else env.proxy.arm)(park, 2)
     dup = env.inline.delay(k, 0.1, "dup")
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
     assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
-    assert env.proxy.left(park) == 0, "the PARK was not refused: the test did not run its fault"
-    done = once_each(env, k, [holder, dup], ["holder", "dup"])
-    assert_no_overlap([(r["start"], r["end"]) for r in done])
-    quiet_then_check(env, k, 2)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(90)
-def test_a_park_whose_reply_is_lost_twice_is_sent_again_and_runs_once(env):
-    """The duplicate's PARK ran in Redis, and its reply was lost twice: the call is sent again, finds
-    itself parked already and ends; its parked message runs once, in its turn."""
-    park = sha_of(line_scripts.PARK)
-    k = _key()
-    holder = env.inline.delay(k, 1.0, "holder")
-    started(env, k)
-    env.proxy.arm(park, 2)
-    dup = env.inline.delay(k, 0.1, "dup")
-    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
-    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
-    assert env.proxy.left(park) == 0, "the PARK replies were not lost: the test did not run its fault"
+    assert env.proxy.left(park) == 0, "the PARK was not faulted: the test did not run its fault"
     done = once_each(env, k, [holder, dup], ["holder", "dup"])
     assert_no_overlap([(r["start"], r["end"]) for r in done])
     quiet_then_check(env, k, 2)
@@ -498,7 +454,7 @@ def test_a_coalescing_turn_that_cannot_read_its_merged_calls_is_sent_again_and_c
     met a dead connection twice): it used to fail with LockBackendUnavailable, the call lost and the
     merged call WAITING for ever. It is sent again, takes the key back, and its run covers both."""
     take = sha_of(dedupe.TAKE_MERGED)
-    k = _key()
+    k = new_key()
     holder = env.merging.delay(k, 1.0, "holder")
     started(env, k)
     lock_key = env.merging.lock_key_for((k,), {})
@@ -526,7 +482,7 @@ def _slot_with_claim_faulted(env, fault) -> list[dict]:
     (the ACQUIRE with the waiter's entry, the next ACQUIRE sent) before the holder ends: each call
     runs once, in turn, nothing twice, and the key is not left reserved for nobody (the next call runs)."""
     claim = sha_of(scripts.ACQUIRE)
-    k = _key()
+    k = new_key()
     holder = env.slot.delay(k, 0.6, "holder")
     started(env, k)
     dup = env.slot.delay(k, 0.1, "dup")

@@ -26,7 +26,7 @@ import pytest
 import redis
 from _apps import celery_cli as run_celery_cli
 from _apps import make_app
-from _task_support import collect_results, locked  # noqa: F401 - autouse: gc while Redis runs
+from _task_support import locked
 from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
@@ -34,6 +34,8 @@ from celery_singleton_lock import LockLost
 from celery_singleton_lock.engine import line as lines
 from celery_singleton_lock.ops.cli import duration, glob_escape, locks, parse_key
 from celery_singleton_lock.testing.servers import Monitor, free_port, wait_until
+
+pytestmark = pytest.mark.usefixtures("collect_results")
 
 LOCK_TTL = 3.0  # the workers' singleton_lock_ttl: a force release is found within a second
 ENV = {"CSL_LOCK_TTL": str(LOCK_TTL)}

@@ -23,14 +23,14 @@ import uuid
 
 import pytest
 import redis
-from _task_support import ROOT, collect_results  # noqa: F401 - autouse: gc while Redis runs
+from _task_support import ROOT
 
 from celery_singleton_lock import held
 from celery_singleton_lock.ops.control import inspect_locks
 from celery_singleton_lock.ops.snapshots import SnapshotWriter, _make_private_dir, snapshot_dir
 from celery_singleton_lock.testing.servers import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.usefixtures("collect_results")]
 
 LOCK_TTL = 3.0  # renewed every second: renewals show within a test
 ENV = {"CSL_LOCK_TTL": str(LOCK_TTL)}

@@ -262,3 +262,23 @@ def test_events_count_and_fail_with_what_was_recorded() -> None:
         with pytest.raises(AssertionError, match="task id0 was not a duplicate of id1: it took lock k0 itself"):
             events.assert_duplicate("id0", of="id1")
 
+
+
+@pytest.mark.timeout(30)
+def test_events_of_one_app_leave_out_other_apps_tasks() -> None:
+    from celery import Celery
+
+    ours, theirs = Celery("ours", set_as_current=False), Celery("theirs", set_as_current=False)
+
+    def noop() -> None:
+        pass
+
+    ours.task(name="t.mine", shared=False)(noop)
+    theirs.task(name="t.other", shared=False)(noop)
+    mine, other = ours.tasks["t.mine"], theirs.tasks["t.other"]  # the real tasks (apps finalized)
+    with LockEvents(timeout=0.2, app=ours) as events, LockEvents(timeout=0.2) as every:
+        lock_acquired.send(sender=other, key="k", task_id="theirs", lock=None)
+        lock_acquired.send(sender=mine, key="k", task_id="mine", lock=None)
+        lock_acquired.send(sender=Sender("no.app"), key="k", task_id="none", lock=None)
+    assert [e.task_id for e in events] == ["mine"] and events.app is ours
+    assert [e.task_id for e in every] == ["theirs", "mine", "none"]  # no app: every task's

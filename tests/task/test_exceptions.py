@@ -9,11 +9,7 @@ import uuid
 
 import pytest
 from _apps import make_app
-from _task_support import (
-    TIMEOUT,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    locked,
-)
+from _task_support import TIMEOUT, locked
 
 from celery_singleton_lock import (
     DuplicateSkipped,
@@ -25,7 +21,7 @@ from celery_singleton_lock import (
     LockLost,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("collect_results")]
 
 EXCEPTIONS = [
     (DuplicateTask("singleton_lock:t:{ab}", "holder-id"),

@@ -26,16 +26,7 @@ import uuid
 
 import pytest
 from _apps import make_app
-from _task_support import (
-    RESTORE_FAST,
-    TIMEOUT,
-    Gates,
-    Recorder,
-    Runs,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    locked,
-    redeliver,
-)
+from _task_support import RESTORE_FAST, TIMEOUT, Gates, Runs, TaskEvents, locked, redeliver
 from celery.signals import before_task_publish, task_prerun
 
 from celery_singleton_lock import LockError, LockServer, SelfDeadlock, held
@@ -46,7 +37,7 @@ from celery_singleton_lock.testing.servers import Monitor, RedisServer, wait_unt
 from celery_singleton_lock.watchdog.process import get_watchdog
 from celery_singleton_lock.watchdog.renewer import Watchdog
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("collect_results")]
 
 
 def within(seconds: float, fn, *args, **kwargs):
@@ -703,13 +694,13 @@ def test_release_retry_after_a_late_first_try_reports_the_lock_deleted(fresh_red
     caplog.set_level(logging.WARNING, logger="celery_singleton_lock")
     # a 1 s release timeout and a 1.5 s stall: the resume lands half a second from either edge
     app, job, marks = _release_app(redis_server, fresh_redis, release_timeout=1.0)
-    with Recorder(app) as rec:
+    with TaskEvents(app) as rec:
         result = job.apply(("k", 1.5))  # frozen past the first try's 1 s timeout, not the second's
         assert result.state == "SUCCESS" and result.result == "k", result.traceback
     try_failed = [m for m in messages(caplog) if "releasing lock" in m and "try 1 of 2" in m]
     assert try_failed, "the first release try did not time out: the scenario did not run"
-    released = rec.of("released", result.id)
-    assert [e.data["deleted"] for e in released] == [True]
+    released = rec.of("lock_released", task_id=result.id)
+    assert [e.kwargs["deleted"] for e in released] == [True]
     assert not any("no longer held" in m for m in messages(caplog)), messages(caplog)
     assert fresh_redis.client(2).get(marks["key"]) is None
 
@@ -722,7 +713,7 @@ def test_stalled_lock_redis_holds_a_task_end_at_most_two_release_timeouts(fresh_
     caplog.set_level(logging.WARNING, logger="celery_singleton_lock")
     app, job, marks = _release_app(redis_server, fresh_redis)
     try:
-        with Recorder(app) as rec:
+        with TaskEvents(app) as rec:
             result, _ = within(15, job.apply, ("k", 60))  # stays frozen until we resume it
             ended = time.monotonic()
     finally:
@@ -730,7 +721,7 @@ def test_stalled_lock_redis_holds_a_task_end_at_most_two_release_timeouts(fresh_
     assert result.state == "SUCCESS" and result.result == "k", result.traceback
     held_up = ended - marks["body_end"]
     assert held_up < 2 * 0.5 + 0.8, f"the release held the task's end for {held_up:.2f}s"
-    assert [e.data["deleted"] for e in rec.of("released", result.id)] == [False]
+    assert [e.kwargs["deleted"] for e in rec.of("lock_released", task_id=result.id)] == [False]
     assert any("could not be released" in m for m in messages(caplog))
 
 
@@ -761,17 +752,17 @@ def test_duplicate_skipped_is_sent_with_each_policy_name(redis_server, run_worke
     tag = uuid.uuid4().hex[:6]
     tasks = {p: locked(app, lock_key=["k"], on_duplicate=p, name=f"identity_dup_{tag}.{p}")(body) for p in policies}
     keys = {p: f"{p}-{tag}" for p in policies}
-    with Recorder(app) as rec, run_worker(app, pool="threads", concurrency=6):
+    with TaskEvents(app) as rec, run_worker(app, pool="threads", concurrency=6):
         holders = {p: tasks[p].delay(keys[p], True) for p in policies}
         for p in policies:
             runs.wait_started(keys[p])
         dups = {p: tasks[p].delay(keys[p], False) for p in policies}
         redeliver(redis_server.client(0), tasks["skip"], (keys["skip"], True), holders["skip"].id, queue)
-        got = {p: rec.wait("duplicate", dups[p].id)[0].data["policy"] for p in policies}
-        redelivered = rec.wait("duplicate", holders["skip"].id)[0]
+        got = {p: rec.wait_for("duplicate_skipped", task_id=dups[p].id)[0].policy for p in policies}
+        redelivered = rec.wait_for("duplicate_skipped", task_id=holders["skip"].id)[0]
         assert got == {p: p for p in policies}
-        assert redelivered.data["policy"] == "redelivery"
-        assert redelivered.data["holder"] == holders["skip"].id
+        assert redelivered.policy == "redelivery"
+        assert redelivered.holder_task_id == holders["skip"].id
         gates.open_all()
         for p in policies:
             assert holders[p].get(timeout=TIMEOUT) == keys[p]

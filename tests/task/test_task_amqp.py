@@ -5,33 +5,16 @@ its own, deleted at the end."""
 from __future__ import annotations
 
 import gc
-import socket
 import uuid
 
 import pytest
-from _task_support import (
-    TIMEOUT,
-    Gates,
-    Recorder,
-    Runs,
-    assert_no_overlap,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    locked,
-)
+from _task_support import TIMEOUT, Gates, Runs, TaskEvents, assert_no_overlap, locked, rabbit_up
 from celery import Celery
 from celery.exceptions import TaskRevokedError
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("collect_results")]
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
-
-
-def rabbit_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not rabbit_up(), reason="RabbitMQ: nothing accepts connections on 127.0.0.1:5672")
@@ -48,26 +31,14 @@ def test_duplicates_over_rabbitmq(redis_server, run_worker):
 
     @locked(app, lock_key=["k"], on_duplicate="skip")
     def skip_job(self, k, tag):
-        run = runs.begin(k, self.request.id, tag=tag)
-        try:
-            if tag == "holder":
-                gates.wait(k)
-            return tag
-        finally:
-            runs.end(run)
+        return runs.gated(k, self.request.id, tag, gates)
 
     @locked(app, lock_key=["k"], on_duplicate="retry", lock_max_retries=10_000)
     def retry_job(self, k, tag):
-        run = runs.begin(k, self.request.id, tag=tag)
-        try:
-            if tag == "holder":
-                gates.wait(k)
-            return tag
-        finally:
-            runs.end(run)
+        return runs.gated(k, self.request.id, tag, gates)
 
     try:
-        with Recorder(app) as rec, run_worker(app, pool="threads", concurrency=4):
+        with TaskEvents(app) as rec, run_worker(app, pool="threads", concurrency=4):
             # skip: REVOKED at once, naming the key and the holder
             k = f"amqp-{uuid.uuid4().hex[:8]}"
             holder = skip_job.delay(k, "holder")
@@ -85,7 +56,7 @@ def test_duplicates_over_rabbitmq(redis_server, run_worker):
             holder2 = retry_job.delay(k2, "holder")
             runs.wait_started(k2)
             dups = [retry_job.delay(k2, f"d{i}") for i in range(2)]
-            rec.wait("duplicate", dups[0].id)
+            rec.wait_for("duplicate_skipped", task_id=dups[0].id)
             gates.open(k2)
             assert holder2.get(timeout=TIMEOUT) == "holder"
             assert sorted(d.get(timeout=TIMEOUT) for d in dups) == ["d0", "d1"]

@@ -12,14 +12,13 @@ import uuid
 
 import pytest
 from _apps import make_app
-from _task_support import collect_results  # noqa: F401 - autouse: gc while Redis runs
 from celery import Celery
 
 from celery_singleton_lock import LockedTask
 from celery_singleton_lock.delivery import config as cfg
 from celery_singleton_lock.testing.servers import free_port
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("collect_results")]
 
 
 def bare_app(**conf) -> Celery:

@@ -18,19 +18,13 @@ import time
 import uuid
 
 import pytest
-from _task_support import (
-    TIMEOUT,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    load_worker_app,
-    redeliver,
-    start_worker_process,
-)
+from _task_support import TIMEOUT, load_worker_app, redeliver, start_worker_process
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 
 from celery_singleton_lock.engine.line import SWEEP_INTERVAL, SWEEP_LEASE
 from celery_singleton_lock.testing.servers import wait_until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("collect_results")]
 
 LOCK_TTL = 3.0  # seconds, the workers' singleton_lock_ttl here (CSL_LOCK_TTL)
 

@@ -20,10 +20,9 @@ from _backends import backend_of, lock_store
 from _task_support import (
     TIMEOUT,
     Gates,
-    Recorder,
     Runs,
+    TaskEvents,
     assert_no_overlap,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
     load_worker_app,
     locked,
     start_worker_process,
@@ -34,7 +33,7 @@ from celery_singleton_lock import DuplicateSkipped, DuplicateTask, LockContended
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.testing.servers import wait_until
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("collect_results")]
 
 
 class Env:
@@ -85,7 +84,7 @@ def env(request, redis_server):
 
 @pytest.fixture
 def rec(env):
-    with Recorder(env.app) as r:
+    with TaskEvents(env.app) as r:
         yield r
 
 
@@ -136,12 +135,12 @@ def test_skip_is_revoked_at_once_and_never_runs(env, rec):
     # the holder, named in a structured way too (the result backend rebuilds the error by its class)
     assert isinstance(info.value, DuplicateSkipped), type(info.value)
     assert info.value.holder_task_id == holder.id and info.value.key == key
-    [event] = rec.wait("duplicate", dup.id)
-    assert event.key == key and event.data == {"holder": holder.id, "policy": "skip"}
+    [event] = rec.wait_for("duplicate_skipped", task_id=dup.id)
+    assert event.key == key and (event.holder_task_id, event.policy) == (holder.id, "skip")
     env.gates.open(k)
     assert holder.get(timeout=TIMEOUT) == "holder"
     assert [r.task_id for r in env.runs.of(k)] == [holder.id]  # the duplicate's body never ran
-    rec.wait("released", holder.id)
+    rec.wait_for("lock_released", task_id=holder.id)
     assert env.locks.exists(key) == 0
 
 
@@ -155,7 +154,7 @@ def test_raise_fails_with_duplicate_task(env, rec):
     assert not holder.ready()
     assert dup.state == "FAILURE"
     assert info.value.key == key and info.value.holder_task_id == holder.id
-    assert rec.wait("duplicate", dup.id)[0].data["policy"] == "raise"
+    assert rec.wait_for("duplicate_skipped", task_id=dup.id)[0].policy == "raise"
     env.gates.open(k)
     assert holder.get(timeout=TIMEOUT) == "holder"
     assert [r.task_id for r in env.runs.of(k)] == [holder.id]
@@ -170,7 +169,7 @@ def test_retry_waits_in_line_and_runs_in_turn_after_the_holder(env, rec):
     dups = []
     for i in range(3):  # one at a time, so the order they found the key held is known
         dups.append(env.retry.delay(k, f"dup{i}"))
-        rec.wait("duplicate", dups[-1].id)
+        rec.wait_for("duplicate_skipped", task_id=dups[-1].id)
     for i, dup in enumerate(dups):
         assert dup.state == "WAITING" and not dup.ready()
         assert dup.info == {"key": key, "place": i + 1, "holder": holder.id, "entry": queue.entry_for(dup.id)}
@@ -184,8 +183,8 @@ def test_retry_waits_in_line_and_runs_in_turn_after_the_holder(env, rec):
     assert_no_overlap([(r.start, r.end) for r in runs])
     assert all(r.info["retries"] == 0 for r in runs)  # waiting is not the task's own retry
     for dup in dups:  # one park each: no polling
-        [event] = rec.of("duplicate", dup.id)
-        assert event.data == {"holder": holder.id, "policy": "retry"}
+        [event] = rec.of("duplicate_skipped", task_id=dup.id)
+        assert (event.holder_task_id, event.policy) == (holder.id, "retry")
     wait_until(lambda: not env.locks.exists(key, key + ":q", key + ":w"), TIMEOUT, what="nothing left")
 
 
@@ -196,7 +195,7 @@ def test_a_line_that_does_not_move_ends_in_lock_wait_timeout(env, rec):
     key = env.retry_short_wait.lock_key_for((k, "x"), {})
     holder = start_holder(env, env.retry_short_wait, k)
     dup = env.retry_short_wait.delay(k, "dup")
-    rec.wait("duplicate", dup.id)
+    rec.wait_for("duplicate_skipped", task_id=dup.id)
     assert dup.state == "WAITING"
     with pytest.raises(LockWaitTimeout) as info:
         dup.get(timeout=TIMEOUT)  # the sweeper times it out once its second in line is over
@@ -217,7 +216,7 @@ def test_backoff_budget_exhausted_fails_with_lock_contended(env, rec):
     assert dup.state == "FAILURE"
     assert info.value.key == key and info.value.holder_task_id == holder.id
     assert info.value.attempts == 3  # the first try and lock_max_retries=2 re-sends
-    assert [e.data["policy"] for e in rec.of("duplicate", dup.id)] == ["backoff"] * 3
+    assert [e.policy for e in rec.of("duplicate_skipped", task_id=dup.id)] == ["backoff"] * 3
     assert not holder.ready()
     env.gates.open(k)
     assert holder.get(timeout=TIMEOUT) == "holder"
@@ -229,7 +228,7 @@ def test_backoff_re_sends_do_not_eat_max_retries(env, rec):
     k = f"own-{uuid.uuid4().hex[:8]}"
     holder = start_holder(env, env.backoff_no_own_retries, k)
     dup = env.backoff_no_own_retries.delay(k, "dup")
-    wait_until(lambda: len(rec.of("duplicate", dup.id)) >= 2, TIMEOUT, what="two back-off re-sends")
+    wait_until(lambda: len(rec.of("duplicate_skipped", task_id=dup.id)) >= 2, TIMEOUT, what="two back-off re-sends")
     # RETRY is stored after the re-send, which may already be running its next attempt
     wait_until(lambda: dup.state == "RETRY", TIMEOUT, what="the RETRY state")
     env.gates.open(k)
@@ -371,7 +370,7 @@ def test_eager_duplicate_policies(app, redis_server, policy):
     locks = redis_server.client(2)
     locks.set(key, "e" * 32 + ' 1 {"owner":"the-holder"}', px=60_000)  # someone holds it
     try:
-        with Recorder(app) as rec:
+        with TaskEvents(app) as rec:
             result = eager_dup.apply((k,))
         assert ran == []
         if policy == "skip":
@@ -386,7 +385,7 @@ def test_eager_duplicate_policies(app, redis_server, policy):
         else:
             assert result.state == "FAILURE" and isinstance(result.result, LockContended)
             assert (result.result.key, result.result.holder_task_id, result.result.attempts) == (key, "the-holder", 3)
-        assert len(rec.of("duplicate")) == (3 if policy == "backoff" else 0 if policy == "retry" else 1)
+        assert len(rec.of("duplicate_skipped")) == (3 if policy == "backoff" else 0 if policy == "retry" else 1)
         assert locks.get(key).startswith(b"e" * 32)  # the holder's lock is untouched
     finally:
         locks.delete(key)

@@ -14,21 +14,14 @@ import uuid
 import pytest
 from _apps import make_app
 from _backends import backend_of, lock_store
-from _task_support import (
-    TIMEOUT,
-    Gates,
-    Recorder,
-    Runs,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    locked,
-)
+from _task_support import TIMEOUT, Gates, Runs, TaskEvents, locked
 from celery.exceptions import Ignore, Reject
 from celery.signals import after_task_publish
 
 from celery_singleton_lock import LockKeyError
 from celery_singleton_lock.testing.servers import wait_until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("collect_results")]
 
 
 class Env:
@@ -113,7 +106,7 @@ def env(request, redis_server):
 
 @pytest.fixture
 def rec(env):
-    with Recorder(env.app) as r:
+    with TaskEvents(env.app) as r:
         yield r
 
 
@@ -131,13 +124,13 @@ def assert_free_then_fresh_runs(env, rec, task, k):
     assert fresh.state == "SUCCESS"
     # its first execution took the lock at once (a task that retries itself may meet its own
     # lock later: that is the redelivery case, not a leftover)
-    first = next(e for e in rec.events if e.task_id == fresh.id and e.kind in ("acquired", "duplicate"))
-    assert first.kind == "acquired" and first.key == key
+    first = next(e for e in rec.events if e.task_id == fresh.id and e.signal in ("lock_acquired", "duplicate_skipped"))
+    assert first.signal == "lock_acquired" and first.key == key
     assert env.runs.of(k, fresh.id)
-    released = rec.wait("released", fresh.id, count=len(env.runs.of(k, fresh.id)))
+    released = rec.wait_for("lock_released", task_id=fresh.id, count=len(env.runs.of(k, fresh.id)))
     # one run SUCCEEDED (a task that retries or requeues itself also released once before; in the
     # threads pool the two release signals may be recorded in either order)
-    states = [e.data["state"] for e in released]
+    states = [e.kwargs["state"] for e in released]
     assert states.count("SUCCESS") == 1, states
     assert env.locks.exists(key) == 0
 
@@ -145,10 +138,10 @@ def assert_free_then_fresh_runs(env, rec, task, k):
 def assert_released_once_per_run(env, rec, task_id):
     """lock_released fires exactly once per execution that took the lock, and deleted it."""
     runs = env.runs.of(task_id=task_id)
-    released = rec.wait("released", task_id, count=len(runs))
+    released = rec.wait_for("lock_released", task_id=task_id, count=len(runs))
     assert len(runs) >= 1, "the body never ran"
-    assert len(released) == len(runs) == len(rec.of("acquired", task_id))
-    assert all(e.data["deleted"] for e in released), released
+    assert len(released) == len(runs) == len(rec.of("lock_acquired", task_id=task_id))
+    assert all(e.kwargs["deleted"] for e in released), released
 
 
 @pytest.mark.parametrize(
@@ -168,11 +161,11 @@ def test_exit_path_with_result(env, rec, mode, state, value):
     else:
         assert result.get(timeout=TIMEOUT) == value
     assert result.state == state
-    rec.wait("postrun", result.id, count=2 if mode == "retry" else 1)
+    rec.wait_for("task_postrun", task_id=result.id, count=2 if mode == "retry" else 1)
     assert len(env.runs.of(k, result.id)) == (2 if mode == "retry" else 1)
     assert_released_once_per_run(env, rec, result.id)
     if mode == "retry":  # the first run ended RETRY, the second SUCCESS; each released its own lock
-        assert sorted(e.data["state"] for e in rec.of("released", result.id)) == ["RETRY", "SUCCESS"]
+        assert sorted(e.kwargs["state"] for e in rec.of("lock_released", task_id=result.id)) == ["RETRY", "SUCCESS"]
     assert_free_then_fresh_runs(env, rec, env.path, k)
 
 
@@ -184,7 +177,7 @@ def test_exit_path_autoretry_for(env, rec):
     assert_released_once_per_run(env, rec, result.id)
     # sorted: in the threads pool the second run may take the key the instant the first run's
     # release frees it and report its own release before the first run's signal is recorded
-    assert sorted(e.data["state"] for e in rec.of("released", result.id)) == ["RETRY", "SUCCESS"]
+    assert sorted(e.kwargs["state"] for e in rec.of("lock_released", task_id=result.id)) == ["RETRY", "SUCCESS"]
     assert_free_then_fresh_runs(env, rec, env.auto, k)
 
 
@@ -193,11 +186,11 @@ def test_exit_path_ignore_and_reject(env, rec, mode, postrun_state):
     """after_return is not called for IGNORED/REJECTED; task_postrun is, and releases."""
     k = fresh_key()
     result = env.path.delay(k, mode)
-    [post] = rec.wait("postrun", result.id)
-    assert post.data["state"] == postrun_state
+    [post] = rec.wait_for("task_postrun", task_id=result.id)
+    assert post.kwargs["state"] == postrun_state
     assert len(env.runs.of(k, result.id)) == 1
     assert_released_once_per_run(env, rec, result.id)
-    assert rec.of("released", result.id)[0].data["state"] == postrun_state
+    assert rec.of("lock_released", task_id=result.id)[0].kwargs["state"] == postrun_state
     if mode == "ignore":
         assert result.state == "PENDING"  # Celery's Ignore: nothing is stored
     else:  # Celery stores Reject(requeue=False) as FAILURE
@@ -212,7 +205,7 @@ def test_exit_path_reject_requeue(env, rec):
     assert result.get(timeout=TIMEOUT) == "requeued"
     assert len(env.runs.of(k, result.id)) == 2
     assert_released_once_per_run(env, rec, result.id)
-    assert [e.data["state"] for e in rec.of("released", result.id)] == ["REJECTED", "SUCCESS"]
+    assert [e.kwargs["state"] for e in rec.of("lock_released", task_id=result.id)] == ["REJECTED", "SUCCESS"]
     assert_free_then_fresh_runs(env, rec, env.requeue, k)
 
 
@@ -225,9 +218,9 @@ def test_exception_in_before_start_fails_task_and_worker_lives_on(env, rec):
     message = str(info.value)
     assert "argument k " in message and "builtins.complex" in message, message
     assert env.runs.of(task_id=result.id) == []  # the body never ran
-    [post] = rec.wait("postrun", result.id)
-    assert post.data["state"] == "FAILURE"
-    assert rec.of("acquired", result.id) == [] and rec.of("released", result.id) == []
+    [post] = rec.wait_for("task_postrun", task_id=result.id)
+    assert post.kwargs["state"] == "FAILURE"
+    assert rec.of("lock_acquired", task_id=result.id) == [] and rec.of("lock_released", task_id=result.id) == []
     # the worker lives on and runs the next task
     k = fresh_key()
     assert env.path.delay(k, "ok").get(timeout=TIMEOUT) == "ok"
@@ -239,12 +232,12 @@ def test_release_is_token_checked(env, rec):
     k = fresh_key()
     result = env.path.delay(k, "takeover")
     assert result.get(timeout=TIMEOUT) == "taken over"
-    [released] = rec.wait("released", result.id)
-    assert released.data["deleted"] is False
+    [released] = rec.wait_for("lock_released", task_id=result.id)
+    assert released.kwargs["deleted"] is False
     key = env.path.lock_key_for((k,), {})
     assert env.locks.get(key).startswith(b"0" * 32 + b" ")  # the other holder's value is intact
     env.locks.delete(key)
-    assert len(rec.of("released", result.id)) == 1
+    assert len(rec.of("lock_released", task_id=result.id)) == 1
 
 
 @pytest.mark.parametrize("which", ["self.retry", "autoretry_for"])
@@ -271,7 +264,7 @@ def test_retry_message_arriving_before_release_runs_after(env, rec, request, whi
         # (the deferred copy's own re-publish looks the same: only the first one holds)
         if sender == task.name and headers.get("id") == task_id and headers.get("retries", 0) >= 1 \
                 and first_only.acquire(blocking=False):
-            rec.wait("duplicate", task_id)  # the retried message arrived meanwhile ...
+            rec.wait_for("duplicate_skipped", task_id=task_id)  # the retried message arrived meanwhile ...
             held.append(len(env.runs.of(k, task_id)))  # ... and did not run
             held.append(time.time())
 
@@ -281,9 +274,9 @@ def test_retry_message_arriving_before_release_runs_after(env, rec, request, whi
     assert result.get(timeout=TIMEOUT) == expected
     runs_during_hold, hold_ended = held
     assert runs_during_hold == 1
-    dup = rec.of("duplicate", task_id)[0]
-    assert dup.data["policy"] == "redelivery"  # the early copy waits its turn in line
-    assert dup.data["holder"] == task_id
+    dup = rec.of("duplicate_skipped", task_id=task_id)[0]
+    assert dup.policy == "redelivery"  # the early copy waits its turn in line
+    assert dup.holder_task_id == task_id
     first, second = env.runs.of(k, task_id)
     assert second.start >= max(hold_ended, first.end)  # after the old run (and its release), not beside it
     assert_released_once_per_run(env, rec, task_id)
@@ -299,7 +292,7 @@ def test_skip_logs_at_info(env, rec, caplog):
     env.locks.set(key, "f" * 32 + ' 1 {"owner":"holder-123"}', px=60_000)
     try:
         result = env.path.delay(k, "ok")
-        rec.wait("postrun", result.id)
+        rec.wait_for("task_postrun", task_id=result.id)
     finally:
         env.locks.delete(key)
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "duplicate" in r.getMessage()]
@@ -336,15 +329,15 @@ def test_eager_apply_locks_and_leaves_no_key(app, redis_server, mode, state):
     locks = redis_server.client(2)
     k = fresh_key()
     key = eager.lock_key_for((k,), {})
-    with Recorder(app) as rec:
+    with TaskEvents(app) as rec:
         result = eager.apply((k, mode))
         assert result.state == state
         executions = runs.of(k)
         assert len(executions) == (2 if mode == "retry" else 1)
         for run in executions:  # each execution held the lock while it ran
             assert run.info["lock"] is not None and run.info["lock"].key == key
-        assert len(rec.of("released")) == len(rec.of("acquired")) == len(executions)
-        assert all(e.data["deleted"] for e in rec.of("released"))
+        assert len(rec.of("lock_released")) == len(rec.of("lock_acquired")) == len(executions)
+        assert all(e.kwargs["deleted"] for e in rec.of("lock_released"))
         assert locks.exists(key) == 0
         assert eager.apply((k, "ok")).get() == "ok"  # a fresh duplicate runs at once
     assert locks.exists(key) == 0
@@ -356,16 +349,16 @@ def test_task_always_eager_propagating_exception_releases(redis_server):
     eager = eager_tasks(app, runs)
     locks = redis_server.client(2)
     k = fresh_key()
-    with Recorder(app) as rec:
+    with TaskEvents(app) as rec:
         with pytest.raises(ValueError, match="eager boom"):
             eager.delay(k, "exc")
         assert len(runs.of(k)) == 1
-        [released] = rec.of("released")
+        [released] = rec.of("lock_released")
         # released as the body raised (the tracer itself re-raises before it sets a state)
-        assert released.data["state"] == "FAILURE" and released.data["deleted"]
+        assert released.kwargs["state"] == "FAILURE" and released.kwargs["deleted"]
         assert locks.exists(eager.lock_key_for((k,), {})) == 0
         assert eager.delay(k, "ok").get() == "ok"
-        assert len(rec.of("released")) == 2
+        assert len(rec.of("lock_released")) == 2
     assert locks.exists(eager.lock_key_for((k,), {})) == 0
 
 
@@ -375,7 +368,7 @@ def test_direct_call_takes_no_lock_and_leaks_none(app, redis_server):
     eager = eager_tasks(app, runs)
     locks = redis_server.client(2)
     k = fresh_key()
-    with Recorder(app) as rec:
+    with TaskEvents(app) as rec:
         assert eager(k, "ok") == "ok"
         with pytest.raises(ValueError):
             eager(k, "exc")

@@ -38,14 +38,7 @@ from contextlib import contextmanager
 
 import pytest
 from _apps import make_app
-from _task_support import (
-    TIMEOUT,
-    Recorder,
-    Runs,
-    assert_no_overlap,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    locked,
-)
+from _task_support import TIMEOUT, Runs, TaskEvents, assert_no_overlap, locked
 from celery import chain, chord, group
 from celery.signals import task_failure, task_prerun, task_retry
 
@@ -55,6 +48,8 @@ from celery_singleton_lock.engine.lock import Lock
 from celery_singleton_lock.engine.server import LockServer
 from celery_singleton_lock.testing.servers import Monitor, RedisServer, free_port, wait_until
 from celery_singleton_lock.watchdog.renewer import Watchdog
+
+pytestmark = pytest.mark.usefixtures("collect_results")
 
 LOGGER = "celery_singleton_lock"
 WD_LOGGER = "celery_singleton_lock.watchdog"
@@ -359,12 +354,12 @@ def test_release_refused_by_redis_keeps_the_success(redis_server, run_worker, ca
         return f"done {k}"
 
     try:
-        with Recorder(app) as rec, catching(lock_lost, app) as lost, run_worker(app, pool="threads"):
+        with TaskEvents(app) as rec, catching(lock_lost, app) as lost, run_worker(app, pool="threads"):
             result = clobbered.delay("x")
             assert result.get(timeout=TIMEOUT) == "done x"
-            [released] = rec.wait("released", result.id)
+            [released] = rec.wait_for("lock_released", task_id=result.id)
         assert result.state == "SUCCESS"
-        assert released.data == {"state": "SUCCESS", "deleted": False}
+        assert (released.kwargs["state"], released.kwargs["deleted"]) == ("SUCCESS", False)
         assert records(caplog, LOGGER, clobbered_keys[0], "WRONGTYPE", level=logging.WARNING), caplog.text
         assert [e["task_id"] for e in lost] == [result.id], lost
         assert "release" in lost[0]["reason"], lost[0]["reason"]

@@ -9,15 +9,11 @@ import uuid
 
 import pytest
 from _apps import make_app
-from _task_support import (
-    TIMEOUT,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    locked,
-)
+from _task_support import TIMEOUT, locked
 
 from celery_singleton_lock import Lock, LockLost
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("collect_results")]
 
 
 def test_handle_inside_and_outside_an_execution(redis_server, run_worker):

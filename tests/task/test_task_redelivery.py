@@ -27,21 +27,12 @@ import uuid
 import pytest
 from _apps import make_app
 from _backends import BACKENDS, backend_of, lock_store
-from _task_support import (
-    RESTORE_FAST,
-    TIMEOUT,
-    Gates,
-    Recorder,
-    Runs,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    locked,
-    redeliver,
-)
+from _task_support import RESTORE_FAST, TIMEOUT, Gates, Runs, TaskEvents, locked, redeliver
 
 from celery_singleton_lock.engine import line as lines
 from celery_singleton_lock.testing.servers import wait_until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("collect_results")]
 
 
 class Env:
@@ -92,7 +83,7 @@ def env(request, redis_server):
 
 @pytest.fixture
 def rec(env):
-    with Recorder(env.app) as r:
+    with TaskEvents(env.app) as r:
         yield r
 
 
@@ -145,8 +136,8 @@ def test_redelivery_while_holder_runs_waits_first_and_is_dropped_when_it_succeed
     marker = {"pid": -1, "hostname": "holder-marker"}
     env.app.backend.store_result(holder.id, marker, "STARTED")
     redeliver(env.broker, env.job, (k, "gate"), holder.id, env.queue)
-    [event] = rec.wait("duplicate", holder.id)
-    assert event.data == {"holder": holder.id, "policy": waits(env, "redelivery")} and event.key == key
+    [event] = rec.wait_for("duplicate_skipped", task_id=holder.id)
+    assert (event.holder_task_id, event.policy) == (holder.id, waits(env, "redelivery")) and event.key == key
     assert logged(info_log, holder.id, "waits in line", "redelivered copy of the running task")
     assert lines.line(env.job.lock_server(), key) == [holder.id]
     assert len(env.runs.of(k)) == 1
@@ -160,8 +151,8 @@ def test_redelivery_while_holder_runs_waits_first_and_is_dropped_when_it_succeed
     wait_until(lambda: not env.locks.exists(key, key + ":q", key + ":w"), TIMEOUT, what="nothing left")
     assert len(env.runs.of(k)) == 1  # the body ran once
     assert env.app.AsyncResult(holder.id).state == "SUCCESS"
-    assert len(rec.of("released", holder.id)) == 1
-    assert len(rec.of("duplicate", holder.id)) == expected  # no re-send loop
+    assert len(rec.of("lock_released", task_id=holder.id)) == 1
+    assert len(rec.of("duplicate_skipped", task_id=holder.id)) == expected  # no re-send loop
 
 
 def test_redelivery_while_holder_runs_runs_after_it_when_the_holder_fails(env, rec):
@@ -169,13 +160,13 @@ def test_redelivery_while_holder_runs_runs_after_it_when_the_holder_fails(env, r
     holder = env.job.delay(k, "gate-fail-once")
     env.runs.wait_started(k)
     redeliver(env.broker, env.job, (k, "gate-fail-once"), holder.id, env.queue)
-    rec.wait("duplicate", holder.id)
+    rec.wait_for("duplicate_skipped", task_id=holder.id)
     env.gates.open(k)
-    released = rec.wait("released", holder.id, count=2)
+    released = rec.wait_for("lock_released", task_id=holder.id, count=2)
     # the failed run let the key go, then the copy ran and succeeded. (Which of the two outcomes the
     # result backend keeps is Celery's race: both runs store under one task id; see README, Limits.)
     # (the signals' order is not the runs' order: the failed run signals after its hand-off's publish)
-    assert sorted(e.data["state"] for e in released) == ["FAILURE", "SUCCESS"]
+    assert sorted(e.kwargs["state"] for e in released) == ["FAILURE", "SUCCESS"]
     first, second = env.runs.of(k, holder.id)
     assert first.end <= second.start  # after the failed holder, never beside it
 
@@ -189,19 +180,19 @@ def test_redelivery_after_success_is_dropped_even_after_another_call_ran(env, re
     b = env.late.delay(k, "ok")
     assert b.get(timeout=TIMEOUT) == f"ok by {b.id}"
     redeliver(env.broker, env.late, (k, "ok"), a.id, env.queue)
-    [event] = rec.wait("duplicate", a.id)
-    assert event.data["policy"] == "redelivery"
+    [event] = rec.wait_for("duplicate_skipped", task_id=a.id)
+    assert event.policy == "redelivery"
     assert logged(info_log, a.id, "dropped", "already succeeded")
     # and while C holds the key, a redelivery of A is dropped at once, not queued behind C
     c = env.late.delay(k, "gate")
     wait_until(lambda: env.runs.of(k, c.id), TIMEOUT, what="C to hold the key")
     redeliver(env.broker, env.late, (k, "ok"), a.id, env.queue)
-    rec.wait("duplicate", a.id, count=2)
+    rec.wait_for("duplicate_skipped", task_id=a.id, count=2)
     key = env.late.lock_key_for((k, "x"), {})
     assert not env.locks.exists(key + ":q")
     env.gates.open(k)
     assert c.get(timeout=TIMEOUT) == f"gate by {c.id}"
-    rec.wait("postrun", a.id, count=3)
+    rec.wait_for("task_postrun", task_id=a.id, count=3)
     assert [r.task_id for r in env.runs.of(k)] == [a.id, b.id, c.id]  # A ran once
     assert env.app.backend.get_task_meta(a.id, cache=False)["result"] == f"ok by {a.id}"
 
@@ -217,9 +208,9 @@ def test_redelivery_of_a_success_never_meets_the_duplicate_policy(env, rec, poli
     c = task.delay(k, "gate")
     wait_until(lambda: env.runs.of(k, c.id), TIMEOUT, what="C to hold the key")
     redeliver(env.broker, task, (k, "ok"), a.id, env.queue)
-    [event] = rec.wait("duplicate", a.id)
-    assert event.data["policy"] == "redelivery"
-    rec.wait("postrun", a.id, count=2)
+    [event] = rec.wait_for("duplicate_skipped", task_id=a.id)
+    assert event.policy == "redelivery"
+    rec.wait_for("task_postrun", task_id=a.id, count=2)
     meta = env.app.backend.get_task_meta(a.id, cache=False)  # what is stored now, not what a.get() saw
     assert (meta["status"], meta["result"]) == ("SUCCESS", f"ok by {a.id}")
     env.gates.open(k)
@@ -238,8 +229,8 @@ def test_a_redelivered_task_that_never_finished_waits_its_turn_even_under_skip(e
     # leaves nothing, and then its redelivery meets the policy: see test_line_recovery)
     env.app.backend.store_result(lost_id, {"pid": -1, "hostname": "died"}, "STARTED")
     redeliver(env.broker, env.late_skip, (k, "ok"), lost_id, env.queue)
-    event = rec.wait("duplicate", lost_id)[0]
-    assert event.data["policy"] == waits(env, "retry")  # waiting (or backing off), not skipped
+    event = rec.wait_for("duplicate_skipped", task_id=lost_id)[0]
+    assert event.policy == waits(env, "retry")  # waiting (or backing off), not skipped
     assert env.app.AsyncResult(lost_id).state in waiting_state(env)
     env.gates.open(k)
     assert c.get(timeout=TIMEOUT) == f"gate by {c.id}"
@@ -252,10 +243,10 @@ def test_the_tasks_own_retry_waits_its_turn_even_under_skip(env, rec):
     under "skip": the retry was lost. It waits its turn instead."""
     k = fresh("own-retry")
     a = env.late_skip.delay(k, "retry-once")
-    rec.wait("released", a.id)  # its first run ended with self.retry(countdown=3)
+    rec.wait_for("lock_released", task_id=a.id)  # its first run ended with self.retry(countdown=3)
     c = env.late_skip.delay(k, "gate")
     wait_until(lambda: env.runs.of(k, c.id), TIMEOUT, what="C to hold the key")
-    rec.wait("duplicate", a.id)  # the retry met C ...
+    rec.wait_for("duplicate_skipped", task_id=a.id)  # the retry met C ...
     # ... and waits in line, not REVOKED
     assert env.app.AsyncResult(a.id).state in waiting_state(env)
     env.gates.open(k)
@@ -272,8 +263,8 @@ def test_a_fresh_message_reusing_a_finished_task_id_runs(env, rec):
     a = env.late.delay(k, "ok")
     assert a.get(timeout=TIMEOUT) == f"ok by {a.id}"
     env.late.apply_async((k, "again"), task_id=a.id)
-    [_, post] = rec.wait("postrun", a.id, count=2)  # (Celery keeps the first SUCCESS it stored)
-    assert post.data["state"] == "SUCCESS"
+    [_, post] = rec.wait_for("task_postrun", task_id=a.id, count=2)  # (Celery keeps the first SUCCESS it stored)
+    assert post.kwargs["state"] == "SUCCESS"
     assert [r.info["mode"] for r in env.runs.of(k, a.id)] == ["ok", "again"]
 
 

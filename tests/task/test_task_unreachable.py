@@ -9,18 +9,13 @@ import uuid
 
 import pytest
 from _apps import make_app
-from _task_support import (
-    TIMEOUT,
-    Runs,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    locked,
-)
+from _task_support import TIMEOUT, Runs, locked
 from celery.signals import task_retry
 
 from celery_singleton_lock import LockBackendUnavailable, LockError
 from celery_singleton_lock.testing.servers import free_port
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("collect_results")]
 
 
 def unreachable_app(redis_server):

@@ -17,7 +17,6 @@ import uuid
 import pytest
 from _apps import make_app
 from _deployments import RedisClusterDeployment
-from _task_support import collect_results  # noqa: F401 - autouse: gc while Redis runs
 from _topology_support import check_contract
 
 from celery_singleton_lock.engine import line as queue
@@ -29,7 +28,7 @@ from celery_singleton_lock.topologies import servers
 from celery_singleton_lock.topologies.servers import ClusterLockServer
 from celery_singleton_lock.watchdog.renewer import Watchdog
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.usefixtures("collect_results")]
 
 
 @pytest.fixture(scope="module")

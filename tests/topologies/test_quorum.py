@@ -20,12 +20,7 @@ import uuid
 from contextlib import ExitStack
 
 import pytest
-from _task_support import (
-    assert_no_overlap,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    load_worker_app,
-    start_worker_process,
-)
+from _task_support import assert_no_overlap, load_worker_app, start_worker_process
 from celery import Celery
 
 from celery_singleton_lock import LockBackendUnavailable, LockedTask, LockLost, held
@@ -34,7 +29,7 @@ from celery_singleton_lock.testing.servers import RedisServer, wait_until
 from celery_singleton_lock.topologies.quorum import QuorumLockServer
 from celery_singleton_lock.topologies.servers import from_settings
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow, pytest.mark.usefixtures("collect_results")]
 
 
 @pytest.fixture(scope="module")
@@ -524,7 +519,7 @@ def test_a_redelivery_of_a_running_task_never_runs_again_after_it_succeeded(mast
     running task succeeded, the copy is dropped, never run again as new work (as a fresh message
     would be, finding the key free after the holder's release)."""
     from _apps import make_app
-    from _task_support import RESTORE_FAST, Gates, Recorder, Runs, locked, redeliver
+    from _task_support import RESTORE_FAST, Gates, Runs, TaskEvents, locked, redeliver
     from celery.contrib.testing.worker import start_worker
 
     for m in masters:
@@ -550,18 +545,17 @@ def test_a_redelivery_of_a_running_task_never_runs_again_after_it_succeeded(mast
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, loglevel="WARNING",
                       shutdown_timeout=30):
         try:
-            with Recorder(app) as rec:
+            with TaskEvents(app) as rec:
                 holder = late.delay(k)
                 runs.wait_started(k)
                 redeliver(redis_server.client(0), late, (k,), holder.id, queue)
                 # the copy meets the running holder and is re-sent with a back-off, twice at least
-                wait_until(lambda: len([e for e in rec.of("duplicate", holder.id)
-                                        if e.data.get("policy") == "backoff"]) >= 2, 30, 0.02,
+                wait_until(lambda: len(rec.of("duplicate_skipped", task_id=holder.id, policy="backoff")) >= 2, 30, 0.02,
                            "the redelivered copy to back off while the holder runs")
                 gates.open(k)
                 assert holder.get(timeout=30) == "done"
                 # its next try finds the holder's success: dropped ("redelivery"), never run
-                wait_until(lambda: [e for e in rec.of("duplicate", holder.id) if e.data.get("policy") == "redelivery"],
+                wait_until(lambda: rec.of("duplicate_skipped", task_id=holder.id, policy="redelivery"),
                            30, 0.02, "the copy to be dropped")
             assert len(runs.of(k)) == 1, f"the body ran {len(runs.of(k))} times"
         finally:

@@ -22,12 +22,7 @@ import uuid
 import pytest
 from _apps import make_app
 from _deployments import SentinelDeployment, _role
-from _task_support import (
-    assert_no_overlap,
-    collect_results,  # noqa: F401 - autouse: gc while Redis runs
-    load_worker_app,
-    start_worker_process,
-)
+from _task_support import assert_no_overlap, load_worker_app, start_worker_process
 from _topology_support import check_contract
 from celery import Celery
 
@@ -41,7 +36,7 @@ from celery_singleton_lock.topologies import servers
 from celery_singleton_lock.topologies.servers import SentinelLockServer
 from celery_singleton_lock.watchdog.renewer import Watchdog
 
-pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.usefixtures("collect_results")]
 
 LOCK_DB = 2
 
