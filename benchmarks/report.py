@@ -734,8 +734,9 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     variants = results["variants"]
     c = results["commands"]["ours"]
     ren = results["renewals"]
-    # (MONITOR tells one write from two round trips by timing (Monitor.round_trips: 100 µs); a server preempted between two commands of one write
-    # splits it in the count, so a split in 1 task in 100 or fewer is taken as that, not as a round trip more)
+    # (MONITOR tells one write from two round trips by timing (Monitor.round_trips: 100 µs); a server
+    # preempted between two commands of one write splits it in the count, so a split in 1 task in 100 or
+    # fewer is taken as that, not as a round trip more)
     exec_ok = round(c["exec_rt"], 1) == 2
     split = c["exec_rt"] != 2 and exec_ok
     pub_ok = c["publish_rt"] == 0
