@@ -75,8 +75,9 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         )
     except LockBackendUnavailable as exc:
         # sent again as when an acquire cannot reach Redis: if this PARK did run, its entry (named by
-        # the task id) is there, and the copy finds itself parked already, or its turn taken
-        unreachable(task, request, args, kwargs, settings, secrets.token_hex(16), exc, given)
+        # the task id) is there, and the copy finds itself parked already, or its turn taken. No token
+        # to take back: this delivery took nothing (a made-up one would send its copy the full ACQUIRE)
+        unreachable(task, request, args, kwargs, settings, "", exc, given)
         return None  # (eager: never here, it never parks)
     if parked_as.found is Park.FREE:
         return None
