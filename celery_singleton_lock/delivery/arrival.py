@@ -10,20 +10,25 @@ from typing import Any, cast
 from ..engine import line as queue
 from ..engine.lock import Holder, Lock, Verdict
 from ..engine.server import LockBackend, LockServer
-from ..exceptions import LockWaitTimeout
-from . import coalescing, config, identity, policies, publishing
+from ..exceptions import LockBackendUnavailable, LockWaitTimeout
+from . import coalescing, config, identity, policies, publishing, releasing
 from .decide import Action, Delivery
 from .headers import EXPIRED
 
 
-def first_look(task: Any, request: Any, settings: config.LockSettings, server: LockBackend, key: str) -> None:
+def first_look(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockBackend,
+               key: str) -> None:
     """Before the acquire. A turn whose wait ran out fails with :class:`LockWaitTimeout` (and the
-    calls merged into it the same way)."""
+    calls merged into it the same way). If those cannot be read, it is sent again, still expired: it
+    must not fail alone and leave them WAITING."""
     headers = request.headers or {}
     if headers.get(EXPIRED):
         expired = LockWaitTimeout(key, settings.max_wait)
         if settings.on_duplicate == "coalesce":
-            coalescing.fail_all(task, server, key, request.id, expired)
+            try:
+                coalescing.fail_all(task, server, key, request.id, expired)
+            except LockBackendUnavailable as exc:
+                policies.unreachable(task, request, args, kwargs, settings, "", exc)
         raise expired
 
 
@@ -32,18 +37,29 @@ def drop_if_ran(task: Any, request: Any, settings: config.LockSettings, key: str
     finds its success stored; a copy after a loss of the data whose other copy ran): the key is
     released and the copy dropped (raises)."""
     if resent and identity.succeeded(task, request):
-        lock.release()
-        policies.refuse(task, Action.DROP, request, settings, key, Verdict.ALREADY_SUCCEEDED)
-    if identity.other_copy_ran(task, request):
-        lock.release()
-        policies.refuse(task, Action.DROP, request, settings, key, Verdict.ENTRY_GONE)
+        why = Verdict.ALREADY_SUCCEEDED
+    elif identity.other_copy_ran(task, request):
+        why = Verdict.ENTRY_GONE
+    else:
+        return
+    # the task's own release, which never raises (at worst the key runs out): a copy dropped as its
+    # call ran elsewhere must not fail that call, or fire its errbacks
+    releasing.release(lock, settings, succeeded=False, remember=0.0)
+    policies.refuse(task, Action.DROP, request, settings, key, why)
 
 
-def wait_here(server: LockBackend, key: str, settings: config.LockSettings, task_id: str) -> Lock:
-    """Eager, behind a holder of this process: wait in the line in place; the lock, or
-    :class:`LockWaitTimeout` after ``lock_max_wait``."""
+def wait_here(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockBackend,
+              key: str) -> Lock:
+    """Eager, behind a holder: wait in the line in place; the lock, or :class:`LockWaitTimeout` after
+    ``lock_max_wait``. A lock Redis that cannot be reached meanwhile is waited out in its place, as an
+    eager acquire waits it out (:func:`policies.unreachable`, within ``singleton_lock_eager_timeout``)."""
+
+    def wait_out(exc: LockBackendUnavailable) -> None:
+        policies.unreachable(task, request, args, kwargs, settings, "", exc)  # (sleeps; raises past its budget)
+
     # decide() waits here only where the server can block a waiter in place (supports_slot_wait)
-    got = queue.wait_turn(cast(LockServer, server), key, settings.ttl, owner_id=task_id, wait=settings.max_wait)
+    got = queue.wait_turn(cast(LockServer, server), key, settings.ttl, owner_id=request.id, wait=settings.max_wait,
+                          on_unreachable=wait_out)
     if isinstance(got, Lock):
         return got
     raise LockWaitTimeout(key, settings.max_wait)

@@ -27,6 +27,7 @@ minutes) settles the calls it took at its start, less those stored as REVOKED si
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
@@ -89,24 +90,45 @@ def settle(task: Any, request: Any, state: str | None, value: Any = None, exc: B
                 resend.append(call)  # not covered: it goes again, as it was
         except Exception:
             logger.exception("lock %s: settling the merged call %s failed", key, _id(call))
-    try:
-        dedupe.drop_merged(server, key, owner, sent_again=bool(resend))
-    except LockError as exc2:
-        logger.warning("lock %s: the merged calls of %s stay until they expire: %s", key, owner, exc2)
+    _forget(server, key, owner, sent_again=bool(resend))
     for call in resend:
         task.app.signature(call).apply_async()
 
 
+FORGET_TRIES = 5
+"""Tries at forgetting merged calls about to be sent again, 0.25 s, 0.5 s, 1 s, 2 s apart."""
+
+
+def _forget(server: Any, key: str, owner: str, *, sent_again: bool) -> None:
+    """Forget the calls merged into ``owner``. Before they are sent again it is tried harder: a call sent
+    again that found its old record would count itself merged into this finished run, and wait for
+    ever. A settled call's record only has to expire (its redelivery stays merged, covered)."""
+    tries = FORGET_TRIES if sent_again else 1
+    for attempt in range(tries):
+        try:
+            dedupe.drop_merged(server, key, owner, sent_again=sent_again)
+            return
+        except LockError as exc:
+            if attempt + 1 == tries:
+                logger.warning("lock %s: the merged calls of %s stay until they expire: %s", key, owner, exc)
+            else:
+                time.sleep(0.25 * 2 ** attempt)
+
+
 def fail_all(task: Any, server: Any, key: str, owner: str, exc: BaseException) -> None:
     """A waiter whose run never ended well (it waited too long, or its process was lost) fails the
-    calls merged into it the same way."""
+    calls merged into it the same way. Raises the server's LockError if they cannot be read; once
+    failed, they are not failed again (errbacks once) if forgetting them fails: they expire."""
     if not server.supports_merge:
         return
     calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
     for call in calls:
         _fail(task, call, exc)
     if calls:
-        dedupe.drop_merged(server, key, owner)
+        try:
+            dedupe.drop_merged(server, key, owner)
+        except LockError as exc2:
+            logger.warning("lock %s: the merged calls of %s stay until they expire: %s", key, owner, exc2)
 
 
 def send_again(app: Any, server: Any, key: str, owner: str) -> int:

@@ -33,7 +33,7 @@ from ..signals import duplicate_coalesced, duplicate_skipped
 from . import config, handoff, parked
 from .compat import eager_result, get_actual_ignore_result
 from .decide import Action
-from .headers import BACKOFF, ENTRY, MARKED, PARKED_AT, REDELIVERED, TOKEN, UNREACHABLE
+from .headers import BACKOFF, ENTRY, EXPIRED, MARKED, PARKED_AT, REDELIVERED, TOKEN, UNREACHABLE
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -268,7 +268,7 @@ def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
             _eager_budget(settings, request, delay, exc)
         time.sleep(delay)
         return
-    kept = (UNREACHABLE, BACKOFF, TOKEN, REDELIVERED, MARKED)
+    kept = (UNREACHABLE, BACKOFF, TOKEN, REDELIVERED, MARKED, EXPIRED)  # (an expired turn stays expired)
     headers = {k: v for k, v in (request.headers or {}).items() if k in kept}
     headers[counter] = attempt + 1
     if redelivered:

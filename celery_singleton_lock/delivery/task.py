@@ -207,7 +207,7 @@ class LockedTask(Task):
         request, headers = self.request, self.request.headers or {}
         key = self.__dict__["_singleton_lock_keys"](args, kwargs)  # keys.derive, the per-task part done once
         server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
-        arrival.first_look(self, request, settings, server, key)
+        arrival.first_look(self, request, args, kwargs, settings, server, key)
         resent = bool(headers.get(REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
         redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
         entry = headers.get(ENTRY) or None
@@ -216,10 +216,8 @@ class LockedTask(Task):
         who: Delivery | None = None
         while True:
             try:
-                outcome = server.acquire(
-                    key, settings.ttl, owner_id=task_id, token=token, retake=retake, entry=entry,
-                    check_done=redelivered,
-                )
+                outcome = server.acquire(key, settings.ttl, owner_id=task_id, token=token, retake=retake, entry=entry,
+                                         check_done=redelivered)
             except LockBackendUnavailable as exc:
                 policies.unreachable(self, request, args, kwargs, settings, token, exc, entry)
                 retake, token = token, secrets.token_hex(16)  # eager: take back what the lost attempt took
@@ -249,7 +247,8 @@ class LockedTask(Task):
             if action is Action.REENTER:
                 return self._reenter(request, key)
             if action is Action.WAIT_HERE:
-                return self._run_with(arrival.wait_here(server, key, settings, task_id), request, settings)
+                waited = arrival.wait_here(self, request, args, kwargs, settings, server, key)
+                return self._run_with(waited, request, settings)
             if action is Action.BACKOFF:  # (returns only in eager mode, to try again)
                 arrival.back_off(self, request, args, kwargs, settings, server, key, outcome, who)
                 continue

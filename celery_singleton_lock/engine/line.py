@@ -50,7 +50,7 @@ from typing import Any, Protocol, cast
 
 from redis.exceptions import RedisError
 
-from ..exceptions import LockError
+from ..exceptions import LockBackendUnavailable, LockError
 from . import layout, line_scripts
 from .lock import Handoff, Holder, Lock, Verdict, ms, slot_safe
 from .server import LockBackend, LockServer
@@ -273,56 +273,82 @@ def announce(server: LockBackend, index: str, name: str) -> None:
 # -- plain code: block until handed the key -------------------------------------
 
 
-def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None, wait: float) -> Lock | Holder:
+def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None, wait: float,
+              on_unreachable: Callable[[LockBackendUnavailable], None] | None = None) -> Lock | Holder:
     """Take ``name``, waiting up to ``wait`` seconds in line; the Lock, or the last Holder seen
     if the wait ran out.
 
     While it waits it holds a place in the line and blocks on its wake-up
     list, so it is woken by the release that hands it the key, in its turn.
+    ``on_unreachable``: called when Redis cannot be reached (it sleeps, or raises to give up); the
+    waiter keeps its place and goes on. Without it, the error is raised and the place left.
     """
     deadline = time.monotonic() + wait
-    entry: str | None = None
-    last: Holder | None = None
-    alive_at = 0.0
+    at = _Place()
     try:
         while True:
-            outcome = server.acquire(name, ttl, owner_id=owner_id, entry=entry)
-            if isinstance(outcome, Lock):
-                entry = None  # claimed: it left the line
-                return outcome
-            if outcome is Verdict.ENTRY_GONE:  # timed out of the line by a sweep
-                entry = None
-            elif isinstance(outcome, Holder):
-                last = outcome
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return last or Holder(slot_safe(name), None, None, None, 0, "", queued=True)
-            if entry is None:
-                entry = new_entry()
-                alive_at = time.monotonic()
-                if park(server, name, entry, kind="p", wait=min(left, PLAIN_LEASE), ttl=ttl,
-                        owner_id=owner_id or entry).found is Park.FREE:
-                    entry = None  # it was freed meanwhile: take it
+            try:
+                got = _wait_step(server, name, ttl, owner_id, deadline, at)
+            except LockBackendUnavailable as exc:
+                if on_unreachable is None:
+                    raise
+                on_unreachable(exc)
                 continue
-            if time.monotonic() - alive_at >= LONGEST_BLOCK:  # still here: its place lives on
-                alive_at = time.monotonic()
-                lease = ms(min(left, PLAIN_LEASE))
-                if not server.run(line_scripts.TOUCH, server.keys_for(slot_safe(name)), (entry, lease)):
-                    entry = None
-                    continue
-            # woken by the hand-off, or look again when the holder would expire if it died
-            expiry = (last.ttl_ms / 1000 if last is not None and last.ttl_ms > 0 else LONGEST_BLOCK) + 0.05
-            block = max(0.01, min(left, expiry, LONGEST_BLOCK))
-            try:
-                server.client.blpop([layout.wake(slot_safe(name), entry)], timeout=block)
-            except RedisError as exc:
-                raise server.error(exc, name) from exc
+            if got is not None:
+                return got
     finally:
-        if entry is not None:
+        if at.entry is not None:
             try:
-                leave(server, name, entry)
+                leave(server, name, at.entry)
             except LockError as exc:
                 logger.warning("lock %s: could not leave the line (%s); the entry times out by itself", name, exc)
+
+
+@dataclass
+class _Place:
+    """A plain waiter's place: its ``entry`` (None: not in line), the last holder seen, and when it
+    last said it is alive."""
+
+    entry: str | None = None
+    last: Holder | None = None
+    alive_at: float = 0.0
+
+
+def _wait_step(server: LockServer, name: str, ttl: float, owner_id: str | None, deadline: float,
+               at: _Place) -> Lock | Holder | None:
+    """One look of :func:`wait_turn`: the Lock, the last Holder once the wait ran out, or None (wait on)."""
+    outcome = server.acquire(name, ttl, owner_id=owner_id, entry=at.entry)
+    if isinstance(outcome, Lock):
+        at.entry = None  # claimed: it left the line
+        return outcome
+    if outcome is Verdict.ENTRY_GONE:  # timed out of the line by a sweep
+        at.entry = None
+    elif isinstance(outcome, Holder):
+        at.last = outcome
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return at.last or Holder(slot_safe(name), None, None, None, 0, "", queued=True)
+    if at.entry is None:
+        at.entry = new_entry()
+        at.alive_at = time.monotonic()
+        if park(server, name, at.entry, kind="p", wait=min(left, PLAIN_LEASE), ttl=ttl,
+                owner_id=owner_id or at.entry).found is Park.FREE:
+            at.entry = None  # it was freed meanwhile: take it
+        return None
+    if time.monotonic() - at.alive_at >= LONGEST_BLOCK:  # still here: its place lives on
+        at.alive_at = time.monotonic()
+        lease = ms(min(left, PLAIN_LEASE))
+        if not server.run(line_scripts.TOUCH, server.keys_for(slot_safe(name)), (at.entry, lease)):
+            at.entry = None
+            return None
+    # woken by the hand-off, or look again when the holder would expire if it died
+    expiry = (at.last.ttl_ms / 1000 if at.last is not None and at.last.ttl_ms > 0 else LONGEST_BLOCK) + 0.05
+    block = max(0.01, min(left, expiry, LONGEST_BLOCK))
+    try:
+        server.client.blpop([layout.wake(slot_safe(name), at.entry)], timeout=block)
+    except RedisError as exc:
+        raise server.error(exc, name) from exc
+    return None
 
 
 __all__: Sequence[str] = ["park", "leave", "sweep", "line", "index_key", "announce", "wait_turn"]

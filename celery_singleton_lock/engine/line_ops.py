@@ -54,31 +54,36 @@ return hand_off(clock(), '', {removed})
 """
 
 
-def remove(server: LockServer, name: str, owner_id: str) -> tuple[int, tuple[Handoff, ...]]:
+def remove(server: LockServer, name: str, owner_id: str, request_id: str = "") -> tuple[int, tuple[Handoff, ...]]:
     """Take task ``owner_id`` out of ``name``'s line; (how many of its entries went, the hand-offs
-    made, already sent through ``server.dispatch``)."""
+    made, already sent through ``server.dispatch``). ``request_id``: sent again with the one of a try
+    whose answer was lost, it answers as that try did (see :mod:`.kept`)."""
     if not owner_id or "\n" in owner_id:
         raise ValueError(f"a task id must be a non-empty line of text, got {owner_id!r}")
     key = slot_safe(name)
-    reply = server.run(REMOVE, server.keys_for(key), (owner_id,))
+    reply = server.run(REMOVE, server.keys_for(key), (owner_id,), request_id=request_id)
     handoffs = tuple(Handoff.parse(key, item) for item in reply[1:])
     server.dispatch(handoffs)
     return int(reply[0]), handoffs
 
 
-def remove_everywhere(server: LockServer, index: str, owner_id: str) -> list[str]:
-    """Take task ``owner_id`` out of every line listed in the sweeper's ``index``; the keys it left."""
+def remove_everywhere(server: LockServer, index: str, owner_id: str, request_id: str = "",
+                      answered: dict[str, int] | None = None) -> list[str]:
+    """Take task ``owner_id`` out of every line listed in the sweeper's ``index``; the keys it left.
+
+    A look that fails part way is tried again with the same ``request_id`` and ``answered`` (each key's
+    answer so far, filled in here): a key answered already is not asked again (its hand-offs were
+    sent), and one whose answer was lost answers as it did the first time (its REMOVE is kept)."""
+    answered = {} if answered is None else answered
     try:
         keys = server.client.zrange(index, 0, -1)
     except RedisError as exc:
         raise server.error(exc, index) from exc
-    left = []
     for raw in keys:
         key = raw.decode() if isinstance(raw, bytes) else str(raw)
-        removed, _ = remove(server, key, owner_id)
-        if removed:
-            left.append(key)
-    return left
+        if key not in answered:
+            answered[key] = remove(server, key, owner_id, request_id)[0]
+    return [key for key, removed in answered.items() if removed]
 
 
 @dataclass(frozen=True)

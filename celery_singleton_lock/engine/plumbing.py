@@ -68,7 +68,8 @@ class ScriptClient:
             sha = self._shas[script] = self.client.script_load(script)
         return sha
 
-    def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False) -> Any:
+    def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False,
+            request_id: str = "") -> Any:
         """EVALSHA, loading the script once and again after NOSCRIPT (restart, SCRIPT FLUSH, failover).
 
         ``replicated``: with ``min_replicas``, also WAIT for the replicas in the
@@ -77,12 +78,13 @@ class ScriptClient:
 
         A broken connection is replaced and the call sent once more only where that is safe
         (:func:`.kept.may_resend`): a kept script carries a request id (one more key) whose kept
-        reply answers the second send as the first; any other is never sent twice.
+        reply answers the second send as the first; any other is never sent twice. ``request_id``: the
+        caller's, to send a kept call again itself later (within ``kept.KEEP_MS``) and read its first answer.
         """
         wait = replicated and self.min_replicas > 0
         resend = kept.may_resend(script)
         if script in kept.KEPT:
-            keys = (*keys, layout.reply(keys[0], secrets.token_hex(8)))
+            keys = (*keys, layout.reply(keys[0], request_id or secrets.token_hex(8)))
         try:
             try:
                 return self._call(self._sha(script), keys, args, wait, resend)

@@ -214,9 +214,10 @@ class ClusterLockServer(LockServer):
         self._shas.pop(script, None)
         return self._sha(script)
 
-    def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False) -> Any:
+    def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False,
+            request_id: str = "") -> Any:
         try:
-            return super().run(script, keys, args, replicated=replicated)
+            return super().run(script, keys, args, replicated=replicated, request_id=request_id)
         except RedisClusterException as exc:  # e.g. no node could be reached to load a script
             raise LockBackendUnavailable(self.url, str(exc)) from exc
 

@@ -21,6 +21,8 @@ finds nothing: each id is looked for again ``AGAIN`` seconds later.
 from __future__ import annotations
 
 import logging
+import secrets
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import bootsteps
@@ -38,6 +40,9 @@ INTERVAL = 1.0
 """Seconds between two looks at the worker's revoked task ids."""
 AGAIN = 5.0
 """Seconds after which a revoked id is looked for once more (a delivery may have been parking)."""
+RETRY, TRIES = 2.0, 10
+"""A look that a lock Redis did not answer is tried again every ``RETRY`` seconds, ``TRIES`` times at
+most: within the time a kept reply lives (``kept.KEEP_MS``)."""
 
 
 class RevokeWatch(bootsteps.StartStopStep):
@@ -64,32 +69,57 @@ class RevokeWatch(bootsteps.StartStopStep):
         new = now - self.seen
         self.seen = now
         for task_id in sorted(new):
-            take_out(c.app, task_id)
-            c.timer.call_after(AGAIN, take_out, (c.app, task_id))
+            look_for(c, Look(task_id))
+            c.timer.call_after(AGAIN, look_for, (c, Look(task_id)))
 
 
-def take_out(app: Any, task_id: str) -> list[str]:
-    """Take ``task_id`` out of every waiting line of ``app``'s lock servers, and store it REVOKED if
-    it was in one. Returns the keys it left. Never raises: a worker's event loop calls it."""
+@dataclass
+class Look:
+    """One look for a revoked task id in every line. A look that could not finish (a lock Redis did not
+    answer) is tried again with its ``request_id`` and what it has found: a REMOVE that ran and whose
+    answer was lost then answers as it did (else the waiter it took out would stay WAITING for ever)."""
+
+    task_id: str
+    request_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    answered: dict[tuple[int, str], dict[str, int]] = field(default_factory=dict)
+    tries: int = TRIES
+
+
+def look_for(c: Any, look: Look) -> None:
+    """:func:`take_out`, tried again ``RETRY`` seconds later while a server does not answer."""
+    if take_out(c.app, look) is None and look.tries > 1:
+        look.tries -= 1
+        c.timer.call_after(RETRY, look_for, (c, look))
+
+
+def take_out(app: Any, look: Look | str) -> list[str] | None:
+    """Take the task out of every waiting line of ``app``'s lock servers, and store it REVOKED if it was
+    in one. Returns the keys it left, None if a server could not be asked (``look`` keeps what was
+    found). Never raises: a worker's event loop calls it."""
+    look = Look(look) if isinstance(look, str) else look
     left: list[str] = []
-    try:
-        for server, index in _lines_of(app):
-            own = queue.own_line(server)
-            keys = own.remove(task_id) if own is not None else line_ops.remove_everywhere(server, index, task_id)
-            for key in keys:  # a coalescing waiter's merged calls did not run: they go again
-                coalescing.send_again(app, server, key, task_id)
-            left += keys
-    except LockError as exc:
-        logger.warning("revoke of task %s: could not look for it in the waiting lines: %s", task_id, exc)
-    except Exception:
-        logger.exception("revoke of task %s: looking for it in the waiting lines failed", task_id)
-    if left:
-        logger.info("revoked task %s left the line of lock %s", task_id, ", ".join(left))
+    complete = True
+    for server, index in _lines_of(app):
         try:
-            app.backend.mark_as_revoked(task_id, f"revoked while waiting in line for lock {left[0]}")
+            own = queue.own_line(server)
+            answered = look.answered.setdefault((id(server), index), {})
+            keys = own.remove(look.task_id) if own is not None else line_ops.remove_everywhere(
+                server, index, look.task_id, look.request_id, answered)
+            for key in keys:  # a coalescing waiter's merged calls did not run: they go again
+                coalescing.send_again(app, server, key, look.task_id)
+            left += keys
+        except LockError as exc:
+            complete = False
+            logger.warning("revoke of task %s: could not look for it in the waiting lines: %s", look.task_id, exc)
         except Exception:
-            logger.exception("revoke of task %s: storing REVOKED failed", task_id)
-    return left
+            logger.exception("revoke of task %s: looking for it in the waiting lines failed", look.task_id)
+    if left:
+        logger.info("revoked task %s left the line of lock %s", look.task_id, ", ".join(left))
+        try:
+            app.backend.mark_as_revoked(look.task_id, f"revoked while waiting in line for lock {left[0]}")
+        except Exception:
+            logger.exception("revoke of task %s: storing REVOKED failed", look.task_id)
+    return left if complete else None
 
 
 def _lines_of(app: Any) -> list[tuple[Any, str]]:

@@ -6,10 +6,11 @@ their own (CSL_LOCK_URL), so that the lock Redis can be restarted empty without 
 Bodies journal each start and end (apps/_slot_journal.py), so the tests count runs and check that
 no two bodies of one key overlapped.
 
-Fault hook (from outside the package, as tests/apps/kill_points.py): a slot waiter whose key is
+Fault hooks (from outside the package, as tests/apps/kill_points.py): a slot waiter whose key is
 named by the journal's ``kill-handed`` set SIGKILLs its own process right after it was handed the key
 in its worker slot (``policies._in_slot`` returned its Lock: it claimed the key) and before its body
-starts; once per key.
+starts; once per key. A call named by the ``run-elsewhere`` set has run elsewhere right after a copy's
+first look at its stored state (``identity.ran_since_park``); once per call.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.exceptions import Ignore
 
 from apps._slot_journal import journal_deliveries, run_body
 from celery_singleton_lock import LockedTask
-from celery_singleton_lock.delivery import policies
+from celery_singleton_lock.delivery import identity, policies
 
 BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
 LOCK_URL = os.environ.get("CSL_LOCK_URL", f"{BASE}/2")
@@ -103,6 +105,22 @@ def _handed_then_maybe_die(task: Any, request: Any, args: Any, kwargs: Any, *res
 
 policies._in_slot = _handed_then_maybe_die  # type: ignore[assignment]
 
+_ran_since_park = identity.ran_since_park
+
+
+@functools.wraps(_ran_since_park)
+def _ran_elsewhere_after_the_look(task: Any, request: Any) -> bool:
+    """A call named by the journal's ``run-elsewhere`` set runs to its end elsewhere (its SUCCESS stored)
+    right after this copy's first look found it had not: the window between a recovered copy's look
+    and its acquire, entered at will."""
+    ran = _ran_since_park(task, request)
+    if not ran and journal.srem("run-elsewhere", request.id):
+        task.backend.store_result(request.id, {"tag": "elsewhere"}, "SUCCESS", request=request)
+    return ran
+
+
+identity.ran_since_park = _ran_elsewhere_after_the_look  # type: ignore[assignment]
+
 
 def journaled(name: str, **opts: Any) -> Any:
     """A LockedTask on ``key`` named ``name`` in this module, whose body journals its run (``run_body``)."""
@@ -123,6 +141,19 @@ joining = journaled("joining", on_duplicate="retry", lock_publish="join")
 cooling = journaled("cooling", on_duplicate="retry", lock_cooldown=1.0)
 # Waits in line 1.5 s at most, then fails with LockWaitTimeout.
 impatient = journaled("impatient", on_duplicate="retry", lock_max_wait=1.5)
+# Coalesces, and waits in line 1.5 s at most: the calls merged into a waiter that times out fail with it.
+merging_impatient = journaled("merging_impatient", on_duplicate="coalesce", lock_max_wait=1.5)
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], name=f"{__name__}.merging_ignored", on_duplicate="coalesce",
+          lock_max_wait=20.0)
+def merging_ignored(self: Any, key: str, seconds: float = 0.0, tag: str = "") -> dict:
+    """Coalesces; a run whose task id the journal's ``ignore-run`` set names ends with Ignore after its
+    body (neither success nor failure): the calls merged into it are sent again, as they were."""
+    done = run_body(journal, self, key, seconds, tag)
+    if journal.srem("ignore-run", self.request.id):
+        raise Ignore("told to")
+    return done
 
 
 @app.task

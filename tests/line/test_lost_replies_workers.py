@@ -12,13 +12,16 @@ happened (the reply was dropped), so none passes vacuously.
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
-from _clusters import new_key, runs, started
+from _clusters import new_key, runs, started, starts, state_of
 from _fault_proxy import sha_of
 from _task_support import assert_no_overlap
 
-from celery_singleton_lock.engine import dedupe, fresh, layout, line_scripts, scripts
+from celery_singleton_lock.delivery.headers import ENTRY, PARKED_AT, RECOVERED
+from celery_singleton_lock.engine import dedupe, fresh, layout, line_ops, line_scripts, scripts
+from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.exceptions import LockWaitTimeout
 from celery_singleton_lock.testing.servers import wait_until
 
@@ -151,3 +154,109 @@ def test_the_fresh_release_with_its_reply_lost_is_not_a_lost_lock(env):
     checked(env, k, pattern, [holder, after], ["holder", "after"])
     logs = "".join(w.log() for w in env.workers)
     assert f"was no longer held by task {holder.id}" not in logs  # its release was not taken for a lost lock
+
+
+# -- a call that fails twice: the client's own second send fails too ------------------------------
+
+
+def test_an_expired_coalescing_turn_that_cannot_read_its_merged_calls_fails_them_once(env):
+    """A coalescing waiter times out in line (``lock_max_wait`` 1.5 s behind a 4 s holder) with a call
+    merged into it; the turn that fails them cannot read the merged calls (the read meets a dead
+    connection twice). It used to end with LockBackendUnavailable, its merged call WAITING for ever.
+    It is sent again, still expired: both end LockWaitTimeout, each errback fires once, neither runs."""
+    take = sha_of(dedupe.TAKE_MERGED)
+    k = new_key()
+    errback = env.errback_log.s()
+    holder = env.merging_impatient.apply_async((k, 4.0, "holder"), link_error=errback)
+    started(env, k)
+    waiter = env.merging_impatient.apply_async((k, 0.1, "waiter"), link_error=errback)
+    parked(env, env.merging_impatient, k)
+    merged = env.merging_impatient.apply_async((k, 0.1, "merged"), link_error=errback)
+    wait_until(lambda: (merged.backend.get_task_meta(merged.id, cache=False)["result"] or {}).get("merged_into")
+               == waiter.id, TIMEOUT, what="the call to merge")
+    env.proxy.refuse(take, 2)
+    checked(env, k, take, [holder, waiter, merged], ["holder"], failed=[waiter, merged])
+
+
+def test_a_revoked_waiter_whose_removal_replies_are_lost_ends_revoked(env):
+    """A waiter is revoked; every worker takes it out of its line (REMOVE), and each REMOVE's reply is
+    lost twice (the client's own second send too): the first one removed it. A later look finds
+    nothing, so the waiter used to stay WAITING for ever. The look is sent again with its request id,
+    and answers as it did the first time: the waiter ends REVOKED, never runs, and the line moves on."""
+    remove = sha_of(line_ops.REMOVE)
+    k = new_key()
+    holder = env.inline.delay(k, 3.0, "holder")
+    started(env, k)
+    waiter = env.inline.delay(k, 0.1, "waiter")
+    parked(env, env.inline, k)
+    env.proxy.arm(remove, 4)  # two worker nodes, two sends each
+    waiter.revoke()
+    wait_until(lambda: state_of(waiter) == "REVOKED", TIMEOUT, what="the revoked waiter to end REVOKED")
+    after = env.inline.delay(k, 0.1, "after")
+    checked(env, k, remove, [holder, after], ["holder", "after"])
+
+
+def test_a_coalescing_run_that_ends_unsettled_sends_its_merged_call_again_even_if_forgetting_them_fails(env):
+    """A coalescing waiter's run ends with Ignore (neither success nor failure), so the call merged into
+    it is sent again, as it was; forgetting the merged calls meets a dead connection twice (and their
+    read before it too). The re-sent call used to find its old record ("merged into" the finished run),
+    and stayed WAITING for ever. Forgetting them is tried again: the re-sent call runs (or is covered)."""
+    task = env.merging_ignored
+    k = new_key()
+    holder = task.delay(k, 1.0, "holder")
+    started(env, k)
+    waiter = task.delay(k, 1.0, "waiter")
+    parked(env, task, k)
+    merged = task.delay(k, 0.1, "merged")
+    wait_until(lambda: (task.backend.get_task_meta(merged.id, cache=False)["result"] or {}).get("merged_into")
+               == waiter.id, TIMEOUT, what="the call to merge")
+    env.journal.sadd("ignore-run", waiter.id)
+    wait_until(lambda: any(s["id"] == waiter.id for s in starts(env, k)), TIMEOUT, what="the waiter's run")
+    # the waiter's merged-call records name it: settling reads them (twice), then forgets them (twice)
+    take = layout.merged(task.lock_key_for((k,), {}), waiter.id)[0].encode()
+    env.proxy.refuse(take, 4)
+    later = task.delay(k, 1.0, "later")  # parks: the key is held when the merged call comes again
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert merged.get(timeout=TIMEOUT)["tag"] in ("merged", "later")  # its own run, or later's covering one
+    later.get(timeout=TIMEOUT)
+    assert env.proxy.left(take) == 0, "the reads were not refused: the test did not run its fault"
+    done = runs(env, k)
+    assert sum(r["id"] == waiter.id for r in done) == 1, done
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+
+
+def test_a_recovered_copy_whose_call_ran_elsewhere_is_dropped_even_if_its_release_fails(env):
+    """A recovered copy of a waiting call (sent again by a sweeper after the lock Redis lost its data)
+    looks: its call has not run; it takes the key; meanwhile its call ran elsewhere (a hook stores its
+    SUCCESS right after the look). Under the lock it looks again, gives the key back and is dropped.
+    That release met a dead connection twice: it used to raise, so the call's errback fired and a
+    failure was reported for a call that succeeded. It is dropped quietly; the next call runs."""
+    release = sha_of(scripts.RELEASE)
+    k, task_id = new_key(), uuid.uuid4().hex
+    env.journal.sadd("run-elsewhere", task_id)
+    env.proxy.refuse(release, 2)
+    copy = env.inline.apply_async((k, 0.1, "copy"), task_id=task_id, link_error=env.errback_log.s(),
+                                  headers={ENTRY: "e-copy", RECOVERED: "c1", PARKED_AT: time.time() - 5})
+    wait_until(lambda: env.proxy.left(release) == 0, TIMEOUT, what="the copy's release")
+    after = env.inline.delay(k, 0.1, "after")
+    checked(env, k, release, [after], ["after"])
+    assert copy.get(timeout=TIMEOUT) == {"tag": "elsewhere"}  # the call's own success, kept
+    assert env.journal.lrange(f"errbacks:{task_id}", 0, -1) == []
+
+
+def test_a_turn_past_its_max_wait_that_cannot_leave_its_place_fails_once(env):
+    """A waiting call's copy (sent ahead of its turn) comes back past ``lock_max_wait`` and finds the key
+    held: it gives up its place (LEAVE) and fails with LockWaitTimeout. Giving it up met a dead
+    connection twice: it used to fail with LockBackendUnavailable, its place left in line. It is sent
+    again, gives its place up, and fails once with LockWaitTimeout (its errback once); it never runs."""
+    leave = sha_of(line_scripts.LEAVE)
+    k = new_key()
+    errback = env.errback_log.s()
+    holder = env.inline.delay(k, 2.0, "holder")
+    started(env, k)
+    waiter = env.inline.apply_async((k, 0.1, "waiter"), link_error=errback)
+    parked(env, env.inline, k)
+    env.proxy.refuse(leave, 2)
+    env.inline.apply_async((k, 0.1, "waiter"), task_id=waiter.id, link_error=errback,  # (max wait 20 s)
+                           headers={ENTRY: queue.entry_for(waiter.id), PARKED_AT: time.time() - 60})
+    checked(env, k, leave, [holder, waiter], ["holder"], failed=[waiter])

@@ -4,16 +4,18 @@ with back-off (RETRY) and, once lock_max_retries is spent, FAILS with LockBacken
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
 import pytest
 from _apps import make_app
+from _fault_proxy import FaultProxy
 from _task_support import TIMEOUT, Runs, locked
 from celery.signals import task_retry
 
 from celery_singleton_lock import LockBackendUnavailable, LockError
-from celery_singleton_lock.testing.servers import free_port
+from celery_singleton_lock.testing.servers import free_port, wait_until
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("collect_results")]
 
@@ -107,3 +109,42 @@ def test_eager_run_retries_in_place_then_fails(redis_server):
     assert isinstance(result.result, LockBackendUnavailable)
     assert secret not in str(result.result)
     assert runs.all == []
+
+
+def test_an_eager_run_waiting_in_line_rides_out_a_blip(redis_server):
+    """An eager "retry" duplicate waits in line behind a holder; meanwhile every connection to the lock
+    Redis is closed and new ones refused for 1 s. It used to fail with LockBackendUnavailable at once;
+    it now waits on within ``singleton_lock_eager_timeout``, and runs once the holder lets go."""
+    proxy = FaultProxy(redis_server.port)
+    try:
+        app = make_app(redis_server, singleton_lock_url=proxy.url(2), singleton_lock_eager_timeout=20.0)
+        gate, began = threading.Event(), threading.Event()
+        ran: list[str] = []
+
+        @locked(app, lock_key=["k"], on_duplicate="retry", lock_max_wait=30)
+        def eager_line(self, k, tag):
+            ran.append(tag)
+            if tag == "holder":
+                began.set()
+                assert gate.wait(TIMEOUT)
+            return tag
+
+        k = f"eager-blip-{uuid.uuid4().hex[:8]}"
+        holder = threading.Thread(target=lambda: eager_line.apply((k, "holder")), daemon=True)
+        holder.start()
+        assert began.wait(TIMEOUT)
+        waiter: dict = {}
+        t = threading.Thread(target=lambda: waiter.setdefault("r", eager_line.apply((k, "waiter"))), daemon=True)
+        t.start()
+        line = redis_server.client(2)
+        key = eager_line.lock_key_for((k, "x"), {})
+        wait_until(lambda: line.llen(key + ":q") == 1, TIMEOUT, what="the waiter to park")
+        proxy.blackout(1.0)
+        time.sleep(1.2)  # (the fault itself: the blip lasts 1 s, while the waiter waits)
+        gate.set()
+        t.join(TIMEOUT)
+        holder.join(TIMEOUT)
+        assert waiter["r"].get(timeout=TIMEOUT) == "waiter"
+        assert ran == ["holder", "waiter"]
+    finally:
+        proxy.close()
