@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any, cast
 
 from ..engine import line as queue
+from ..engine.backend import LockBackend
 from ..engine.lock import Holder, Lock, Verdict
-from ..engine.server import LockBackend, LockServer
+from ..engine.server import LockServer
 from ..exceptions import LockWaitTimeout
 from . import coalescing, config, identity, policies, publishing
 from .decide import Action, Delivery

@@ -52,8 +52,9 @@ from redis.exceptions import RedisError
 
 from ..exceptions import LockError
 from . import layout, line_scripts
+from .backend import LockBackend
 from .lock import Handoff, Holder, Lock, Verdict, ms, slot_safe
-from .server import LockBackend, LockServer
+from .server import LockServer
 
 logger = logging.getLogger("celery_singleton_lock")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.server import LockBackend
+from ..engine.backend import LockBackend
 from ..topologies.cluster import ClusterLockServer
 from ..topologies.quorum import QuorumLockServer, most_held
 

@@ -39,9 +39,10 @@ from dataclasses import replace
 from typing import Any
 
 from ..engine import layout
+from ..engine.backend import HandoffSender
 from ..engine.line import entry_for
 from ..engine.lock import Done, Forced, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, slot_safe
-from ..engine.server import DEFAULT_TURN_TIMEOUT, TOKEN_BYTES, HandoffSender, renew_one
+from ..engine.server import DEFAULT_TURN_TIMEOUT, TOKEN_BYTES, renew_one
 from ..exceptions import LockBackendUnavailable, LockError
 from .etcd_line import EtcdLine, anyone_waits, line_is_empty
 from .etcd_records import EtcdRecords
@@ -60,7 +61,7 @@ txn: etcd's default limit of operations per txn); a larger one only keeps the le
 
 
 class EtcdLockServer:
-    """An etcd v3 cluster as a :class:`~celery_singleton_lock.engine.server.LockBackend` (see the
+    """An etcd v3 cluster as a :class:`~celery_singleton_lock.engine.backend.LockBackend` (see the
     module doc). Create one per URL and process (``servers.shared``): it holds the sessions."""
 
     supports_line = True

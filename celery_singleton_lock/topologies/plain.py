@@ -20,9 +20,10 @@ from contextlib import contextmanager
 from typing import cast
 
 from ..engine import reentry
+from ..engine.backend import LockBackend
 from ..engine.line import wait_turn
 from ..engine.lock import Done, Holder, Lock, Verdict, slot_safe
-from ..engine.server import LockBackend, LockServer
+from ..engine.server import LockServer
 from ..exceptions import LockContended
 from ..watchdog.process import get_watchdog
 from .servers import shared

@@ -54,8 +54,9 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ..engine import layout, scripts, wire
+from ..engine.backend import HandoffSender
 from ..engine.lock import Forced, Holder, Lock, Release, Released, Verdict, check_ttl, ms, slot_safe
-from ..engine.server import TOKEN_BYTES, HandoffSender, LockServer, renew_one
+from ..engine.server import TOKEN_BYTES, LockServer, renew_one
 from ..exceptions import LockBackendUnavailable, LockError
 from . import quorum_scripts as qlua
 from .fanout import PENDING, SKIPPED, MemberPipe, NotSent, gather
@@ -88,7 +89,7 @@ vote alone does not count until a TTL has passed (the automatic form of Redlock'
 class QuorumLockServer:
     """N >= 3 independent Redis masters, used as one lock server (see the module doc).
 
-    A :class:`~celery_singleton_lock.engine.server.LockBackend` (not a LockServer: there is no single
+    A :class:`~celery_singleton_lock.engine.backend.LockBackend` (not a LockServer: there is no single
     Redis to run a script on, so no waiting line): every operation goes to the members.
     """
 
