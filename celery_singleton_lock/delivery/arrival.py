@@ -5,12 +5,11 @@ calls these around the acquire.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from ..engine import line as queue
 from ..engine.backend import LockBackend
 from ..engine.lock import Holder, Lock, Verdict
-from ..engine.server import LockServer
 from ..exceptions import LockWaitTimeout
 from . import coalescing, config, identity, policies, publishing
 from .decide import Action, Delivery
@@ -44,7 +43,7 @@ def wait_here(server: LockBackend, key: str, settings: config.LockSettings, task
     """Eager, behind a holder of this process: wait in the line in place; the lock, or
     :class:`LockWaitTimeout` after ``lock_max_wait``."""
     # decide() waits here only where the server can block a waiter in place (supports_slot_wait)
-    got = queue.wait_turn(cast(LockServer, server), key, settings.ttl, owner_id=task_id, wait=settings.max_wait)
+    got = queue.wait_turn(server, key, settings.ttl, owner_id=task_id, wait=settings.max_wait)
     if isinstance(got, Lock):
         return got
     raise LockWaitTimeout(key, settings.max_wait)

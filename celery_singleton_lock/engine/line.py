@@ -274,13 +274,15 @@ def announce(server: LockBackend, index: str, name: str) -> None:
 # -- plain code: block until handed the key -------------------------------------
 
 
-def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None, wait: float) -> Lock | Holder:
+def wait_turn(server: LockBackend, name: str, ttl: float, *, owner_id: str | None, wait: float) -> Lock | Holder:
     """Take ``name``, waiting up to ``wait`` seconds in line; the Lock, or the last Holder seen
     if the wait ran out.
 
     While it waits it holds a place in the line and blocks on its wake-up
-    list, so it is woken by the release that hands it the key, in its turn.
+    list, so it is woken by the release that hands it the key, in its turn: on a server that
+    offers that (``supports_slot_wait``: one Redis), which callers ask before they come here.
     """
+    assert isinstance(server, LockServer)
     deadline = time.monotonic() + wait
     entry: str | None = None
     last: Holder | None = None
