@@ -115,8 +115,9 @@ class Slot(Enum):
 
 class Waiting(Protocol):
     """A backend's own waiting lines (etcd: :mod:`celery_singleton_lock.topologies.etcd_line`), which
-    :func:`park`, :func:`leave`, :func:`line`, the sweeper and a revoke use instead of the scripts
-    here. A backend that has one names it ``waiting``; a Redis server has none."""
+    :func:`park`, :func:`leave`, :func:`line`, the sweeper, a revoke and an operator's drop
+    (:func:`.line_ops.remove`) use instead of the scripts here. A backend that has one names it
+    ``waiting``; a Redis server has none."""
 
     def park(self, name: str, entry: str, *, kind: str, wait: float, ttl: float, owner_id: str,
              message: bytes = b"", first: bool = False, again: bool = False, redelivered: bool = False,
@@ -129,6 +130,8 @@ class Waiting(Protocol):
     def sweep_all(self, sweepable: Callable[[str], bool]) -> int: ...
 
     def remove(self, owner_id: str) -> list[str]: ...
+
+    def drop(self, name: str, owner_id: str) -> tuple[int, tuple[Handoff, ...]]: ...
 
 
 def own_line(server: Any) -> Waiting | None:

@@ -26,8 +26,8 @@ from ..exceptions import LockBackendUnavailable, LockError
 from . import fresh as fresh_path
 from . import layout, line_scripts, scripts, wire
 from .addresses import redact_url
-from .backend import HandoffSender
-from .lock import Done, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, ms, slot_safe
+from .backend import ForceReleased, HandoffSender
+from .lock import Done, Forced, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, ms, slot_safe
 from .plumbing import DEFAULT_REPLICA_TIMEOUT, ScriptClient, Unreplicated
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -72,6 +72,7 @@ class LockServer(ScriptClient):
     supports_line = supports_slot_wait = supports_merge = supports_publish = supports_cooldown = True
     """What it can do (see :class:`~.backend.LockBackend`): everything, on one Redis (and Sentinel and Cluster)."""
     may_lose_data = True
+    majority = 0  # one server's word decides
 
     def __init__(self, client: redis.Redis, *, url: str | None = None, min_replicas: int = 0,
                  replica_timeout: float = DEFAULT_REPLICA_TIMEOUT) -> None:
@@ -348,3 +349,20 @@ class LockServer(ScriptClient):
         except RedisError as exc:
             raise self.error(exc, key) from exc
         return None if value is None else Holder.parse(key, value, pttl)
+
+    def nodes(self, key: str | None = None) -> list[tuple[str, Any]]:
+        """The one Redis its locks are on (Sentinel: the master it finds now); a Cluster overrides it."""
+        return [(self.url, self.client)]
+
+    def listing(self) -> None:
+        """None: its locks are Redis keys, which the operators' commands read on :meth:`nodes`."""
+
+    def force_release(self, key: str, expected: str = "") -> ForceReleased:
+        """For operators (see :class:`~.backend.LockBackend`): one script deletes the lock and hands the
+        key to the next waiter, whose message this sends. Raises the LockError of an unreachable Redis."""
+        reply = self.run(scripts.FORCE_RELEASE_KEPT, self.keys_for(key), (expected,))
+        status, value = Forced(int(reply[0])), reply[1]
+        handoffs = tuple(Handoff.parse(key, item) for item in reply[2:]) if status is not Forced.CHANGED_HANDS else ()
+        self.dispatch(handoffs)  # publishes the waiting task the key was handed to
+        raw = value if isinstance(value, bytes) else str(value or "").encode()
+        return ForceReleased(status, raw, int(status is Forced.RELEASED), handoffs)
