@@ -75,9 +75,13 @@ def release(ctx: click.Context, key: str | None, task_name: str | None, every: b
 
 def _release_task(ctx: click.Context, target: Target, task: str, yes: bool) -> None:
     """Every lock of ``task``: listed, confirmed once, then released one by one (each audited)."""
+    listing = target.server.listing()
     held: list[tuple[dict[str, Any], str]] = []
-    for node, batch in scan(target, task):
-        held.extend(_held(target, batch, node.client))
+    if listing is not None:  # (etcd) it lists its own locks
+        held = listed.held_of(target, listing, task)
+    else:
+        for node, batch in scan(target, task):
+            held.extend(_held(target, batch, node.client))
     held.sort(key=lambda pair: pair[0]["key"])
     if not held:
         click.echo(f"no locks of task {task}: nothing released")
@@ -89,7 +93,9 @@ def _release_task(ctx: click.Context, target: Target, task: str, yes: bool) -> N
                 "Force-release all of them? Their holders keep running, without the lock")
     released = 0
     for row, token in held:
-        status, line = _force(target, row["key"], task, "" if yes else token)
+        expected = "" if yes else token
+        status, line = (listed.force(target.server, row, expected) if listing is not None
+                        else _force(target, row["key"], task, expected))
         released += status is Forced.RELEASED
         click.echo(line)
     click.echo(f"{released} of {len(held)} lock(s) of task {task} released")

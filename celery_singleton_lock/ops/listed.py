@@ -3,8 +3,9 @@ sentences and exit codes as on Redis.
 
 Such a backend's locks are not keys on Redis servers to SCAN, so its ``listing()``
 (:class:`~celery_singleton_lock.engine.backend.Listing`) reads them: every held lock with its time
-to live and its number of waiters (``celery locks line`` lists them: cli_line.py). ``release`` is
-the backend's ``force_release``, which deletes the key only while it is the holder that was shown.
+to live and its number of waiters (``celery locks line`` lists them: cli_line.py). ``release`` (of
+one key, or ``--task NAME --all``) is the backend's ``force_release``, which deletes the key only
+while it is the holder that was shown.
 """
 
 from __future__ import annotations
@@ -35,6 +36,18 @@ def row_of(listed: Listed, task: str) -> dict[str, Any]:
 
 def rows(target: Target, listing: Listing, task_name: str | None) -> list[dict[str, Any]]:
     """Every lock held under the app's prefixes (of ``task_name`` only, when given)."""
+    return [row_of(listed, task) for listed, task in _held(target, listing, task_name)]
+
+
+def held_of(target: Target, listing: Listing, task: str) -> list[tuple[dict[str, Any], str]]:
+    """Every lock of ``task``, as a row and the token its holder was shown with (``release --all``
+    deletes only that holder's)."""
+    return [(row_of(listed, name), listed.holder.raw.split(" ", 1)[0] + " ")
+            for listed, name in _held(target, listing, task)]
+
+
+def _held(target: Target, listing: Listing, task_name: str | None) -> list[tuple[Listed, str]]:
+    """(lock, its task) of the app's locks: a key is parsed once, while the backend lists it."""
     tasks: dict[str, str] = {}
 
     def wanted(key: str) -> bool:
@@ -49,7 +62,7 @@ def rows(target: Target, listing: Listing, task_name: str | None) -> list[dict[s
         held = listing.held_locks(wanted)
     except LockError as exc:
         fail(str(exc))
-    return [row_of(listed, tasks[listed.holder.key]) for listed in held]
+    return [(listed, tasks[listed.holder.key]) for listed in held]
 
 
 def read_one(listing: Listing, key: str, task: str) -> dict[str, Any] | None:
@@ -99,14 +112,22 @@ def release(ctx: click.Context, server: LockBackend, listing: Listing, key: str,
         confirm(ctx, key, row)
         shown = server.holder(key)
         expected = "" if shown is None else shown.raw.split(" ", 1)[0] + " "
+    status, line = force(server, row, expected)
+    click.echo(line)
+    ctx.exit(0 if status is Forced.RELEASED else 1)
+
+
+def force(server: LockBackend, row: dict[str, Any], expected: str) -> tuple[Forced, str]:
+    """Release the lock of ``row`` (only while it starts with ``expected``, when given): what it found,
+    and the line to print (audited when released)."""
+    key = row["key"]
     try:
         status = server.force_release(slot_safe(key), expected).status
     except LockError as exc:
         fail(str(exc))
     if status is not Forced.RELEASED:
         gone = "changed hands since it was shown" if status is Forced.CHANGED_HANDS else "is gone"
-        click.echo(f"lock {key} {gone}: nothing released")
-        ctx.exit(1)
+        return status, f"lock {key} {gone}: nothing released"
     line = f"lock {key} force-released by {who_am_i()}: it was {describe(row)}"
     audit(line)
-    click.echo(line)
+    return status, line
