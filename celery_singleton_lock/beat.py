@@ -62,8 +62,8 @@ from celery.utils.time import maybe_make_aware
 from redis.exceptions import RedisError
 
 from .delivery import config
+from .engine.backend import LockBackend
 from .engine.lock import Holder, Lock, check_ttl, slot_safe
-from .engine.server import LockBackend
 from .exceptions import LockError
 from .watchdog.process import get_watchdog
 

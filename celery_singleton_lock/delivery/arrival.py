@@ -5,11 +5,11 @@ calls these around the acquire.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from ..engine import line as queue
+from ..engine.backend import LockBackend
 from ..engine.lock import Holder, Lock, Verdict
-from ..engine.server import LockBackend, LockServer
 from ..exceptions import LockBackendUnavailable, LockWaitTimeout
 from . import coalescing, config, identity, policies, publishing, releasing
 from .decide import Action, Delivery
@@ -58,7 +58,7 @@ def wait_here(task: Any, request: Any, args: Any, kwargs: Any, settings: config.
         policies.unreachable(task, request, args, kwargs, settings, "", exc)  # (sleeps; raises past its budget)
 
     # decide() waits here only where the server can block a waiter in place (supports_slot_wait)
-    got = queue.wait_turn(cast(LockServer, server), key, settings.ttl, owner_id=request.id, wait=settings.max_wait,
+    got = queue.wait_turn(server, key, settings.ttl, owner_id=request.id, wait=settings.max_wait,
                           on_unreachable=wait_out)
     if isinstance(got, Lock):
         return got

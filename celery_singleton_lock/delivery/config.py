@@ -19,9 +19,10 @@ from typing import Any
 
 from ..engine import line as queue
 from ..engine import timing
+from ..engine.backend import LockBackend
 from ..engine.lock import check_ttl
 from ..engine.plumbing import DEFAULT_REPLICA_TIMEOUT
-from ..engine.server import DEFAULT_TURN_TIMEOUT, LockBackend
+from ..engine.server import DEFAULT_TURN_TIMEOUT
 from ..topologies import servers
 from ..topologies.urls import lock_source, transport_options
 from ..topologies.urls import lock_url as lock_url  # re-exported: callers and tests read config.lock_url

@@ -31,8 +31,8 @@ from kombu.serialization import dumps, loads
 
 from ..engine import layout
 from ..engine import sweeper as sweeping
+from ..engine.backend import HandoffSender
 from ..engine.lock import Handoff
-from ..engine.server import HandoffSender
 from . import turns
 from .headers import ENTRY, EXPIRED, PARKED_AT, QUEUE, RECOVERED
 

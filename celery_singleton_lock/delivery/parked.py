@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 from celery.exceptions import Ignore
 
 from ..engine import line as queue
-from ..engine.server import LockBackend
+from ..engine.backend import LockBackend
 from ..exceptions import LockBackendUnavailable, LockWaitTimeout
 from ..results import WAITING
 from ..signals import duplicate_skipped

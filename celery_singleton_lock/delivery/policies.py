@@ -18,9 +18,10 @@ from celery.exceptions import Ignore, Retry
 
 from ..engine import line as queue
 from ..engine import sweeper as sweeping
+from ..engine.backend import LockBackend
 from ..engine.line import Park, Slot
 from ..engine.lock import Done, Holder, Lock, Verdict
-from ..engine.server import LockBackend, LockServer
+from ..engine.server import LockServer
 from ..exceptions import (
     DuplicateTask,
     LockBackendUnavailable,

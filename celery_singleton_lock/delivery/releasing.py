@@ -16,8 +16,8 @@ from kombu.serialization import dumps, loads
 
 from ..engine import layout
 from ..engine import line as queue
+from ..engine.backend import LockBackend
 from ..engine.lock import Lock, Release
-from ..engine.server import LockBackend
 from ..exceptions import LockBackendRefused, LockBackendUnavailable, LockError
 from ..signals import lock_released
 from . import config

@@ -35,8 +35,8 @@ from celery.signals import task_postrun
 from celery.states import FAILURE, IGNORED, REJECTED, RETRY, SUCCESS
 
 from ..engine import reentry
+from ..engine.backend import LockBackend
 from ..engine.lock import Done, Holder, Lock
-from ..engine.server import LockBackend
 from ..exceptions import LockBackendUnavailable, LockError
 from ..signals import lock_acquired, lock_lost
 from ..watchdog.process import get_watchdog

@@ -52,8 +52,9 @@ from redis.exceptions import RedisError
 
 from ..exceptions import LockBackendUnavailable, LockError
 from . import layout, line_scripts
+from .backend import LockBackend
 from .lock import Handoff, Holder, Lock, Verdict, ms, slot_safe
-from .server import LockBackend, LockServer
+from .server import LockServer
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -114,8 +115,9 @@ class Slot(Enum):
 
 class Waiting(Protocol):
     """A backend's own waiting lines (etcd: :mod:`celery_singleton_lock.topologies.etcd_line`), which
-    :func:`park`, :func:`leave`, :func:`line`, the sweeper and a revoke use instead of the scripts
-    here. A backend that has one names it ``waiting``; a Redis server has none."""
+    :func:`park`, :func:`leave`, :func:`line`, the sweeper, a revoke and an operator's drop
+    (:func:`.line_ops.remove`) use instead of the scripts here. A backend that has one names it
+    ``waiting``; a Redis server has none."""
 
     def park(self, name: str, entry: str, *, kind: str, wait: float, ttl: float, owner_id: str,
              message: bytes = b"", first: bool = False, again: bool = False, redelivered: bool = False,
@@ -128,6 +130,8 @@ class Waiting(Protocol):
     def sweep_all(self, sweepable: Callable[[str], bool]) -> int: ...
 
     def remove(self, owner_id: str) -> list[str]: ...
+
+    def drop(self, name: str, owner_id: str) -> tuple[int, tuple[Handoff, ...]]: ...
 
 
 def own_line(server: Any) -> Waiting | None:
@@ -273,16 +277,18 @@ def announce(server: LockBackend, index: str, name: str) -> None:
 # -- plain code: block until handed the key -------------------------------------
 
 
-def wait_turn(server: LockServer, name: str, ttl: float, *, owner_id: str | None, wait: float,
+def wait_turn(server: LockBackend, name: str, ttl: float, *, owner_id: str | None, wait: float,
               on_unreachable: Callable[[LockBackendUnavailable], None] | None = None) -> Lock | Holder:
     """Take ``name``, waiting up to ``wait`` seconds in line; the Lock, or the last Holder seen
     if the wait ran out.
 
     While it waits it holds a place in the line and blocks on its wake-up
-    list, so it is woken by the release that hands it the key, in its turn.
+    list, so it is woken by the release that hands it the key, in its turn: on a server that
+    offers that (``supports_slot_wait``: one Redis), which callers ask before they come here.
     ``on_unreachable``: called when Redis cannot be reached (it sleeps, or raises to give up); the
     waiter keeps its place and goes on. Without it, the error is raised and the place left.
     """
+    assert isinstance(server, LockServer)
     deadline = time.monotonic() + wait
     at = _Place()
     try:

@@ -1,26 +1,25 @@
-"""Operators' changes to a lock and its line: what a revoke, ``celery locks drop`` and
-``celery locks release`` do to Redis.
+"""Operators' changes to a line: what a revoke and ``celery locks drop`` do to Redis.
 
 A parked task has no message in any worker, so nothing in Celery can take it
 out of the line by itself: :func:`remove` does, in one script on the key's
 slot (every record of that task id goes; if the key was reserved for it, the
-key passes to the next waiter at once, as a release would), and
-:func:`remove_everywhere` looks for the task id in every line that has
-waiters (the sweeper's index: one round trip per such key).
-:func:`force_release` deletes a lock whoever holds it and hands the key to the
-next waiter, in one script. Engine code: it knows nothing of Celery;
+key passes to the next waiter at once, as a release would), or through the
+backend's own line (etcd's), and :func:`remove_everywhere` looks for the task
+id in every line that has waiters (the sweeper's index: one round trip per such
+key). ``celery locks release`` is each backend's own ``force_release`` (on one
+Redis: :meth:`.server.LockServer.force_release`). Engine code: it knows nothing of Celery;
 :mod:`celery_singleton_lock.worker.revoke` and :mod:`celery_singleton_lock.ops` call it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from redis.exceptions import RedisError
 
 from . import scripts
+from .backend import LockBackend
 from .kept import kept
-from .lock import Forced, Handoff, slot_safe
+from .line import own_line
+from .lock import Handoff, slot_safe
 from .server import LockServer
 
 REMOVE = scripts._HAND_OFF + """
@@ -54,12 +53,17 @@ return hand_off(clock(), '', {removed})
 """
 
 
-def remove(server: LockServer, name: str, owner_id: str, request_id: str = "") -> tuple[int, tuple[Handoff, ...]]:
+def remove(server: LockBackend, name: str, owner_id: str, request_id: str = "") -> tuple[int, tuple[Handoff, ...]]:
     """Take task ``owner_id`` out of ``name``'s line; (how many of its entries went, the hand-offs
-    made, already sent through ``server.dispatch``). ``request_id``: sent again with the one of a try
-    whose answer was lost, it answers as that try did (see :mod:`.kept`)."""
+    made, already sent through ``server.dispatch``). Callers ask ``supports_line`` first.
+    ``request_id``: sent again with the one of a try whose answer was lost, it answers as that try
+    did (see :mod:`.kept`)."""
     if not owner_id or "\n" in owner_id:
         raise ValueError(f"a task id must be a non-empty line of text, got {owner_id!r}")
+    own = own_line(server)
+    if own is not None:
+        return own.drop(name, owner_id)
+    assert isinstance(server, LockServer)
     key = slot_safe(name)
     reply = server.run(REMOVE, server.keys_for(key), (owner_id,), request_id=request_id)
     handoffs = tuple(Handoff.parse(key, item) for item in reply[1:])
@@ -85,25 +89,5 @@ def remove_everywhere(server: LockServer, index: str, owner_id: str, request_id:
             answered[key] = remove(server, key, owner_id, request_id)[0]
     return [key for key, removed in answered.items() if removed]
 
-
-@dataclass(frozen=True)
-class ForceReleased:
-    """What :func:`force_release` did: its ``status``, ``value`` what the key held (when released),
-    ``handoffs`` the waiters the key passed to, already sent through ``server.dispatch``."""
-
-    status: Forced
-    value: bytes
-    handoffs: tuple[Handoff, ...]
-
-
-def force_release(server: LockServer, key: str, expected: str = "") -> ForceReleased:
-    """Delete ``key``'s lock whoever holds it (only if it still starts with ``expected``, when
-    given: the holder an operator was shown), and hand the key on as a release would.
-    Raises the server's LockError when Redis cannot be reached."""
-    reply = server.run(scripts.FORCE_RELEASE_KEPT, server.keys_for(key), (expected,))
-    status, value = Forced(int(reply[0])), reply[1]
-    handoffs = tuple(Handoff.parse(key, item) for item in reply[2:]) if status is not Forced.CHANGED_HANDS else ()
-    server.dispatch(handoffs)  # publishes the waiting task the key was handed to
-    return ForceReleased(status, value if isinstance(value, bytes) else str(value or "").encode(), handoffs)
 
 REMOVE = kept(REMOVE)  # safe to send twice: its reply is kept under its request id (engine/kept.py)

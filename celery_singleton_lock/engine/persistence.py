@@ -15,7 +15,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from .server import LockBackend
+from .backend import LockBackend
 
 logger = logging.getLogger("celery_singleton_lock")
 

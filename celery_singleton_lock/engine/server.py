@@ -14,8 +14,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -26,7 +26,8 @@ from ..exceptions import LockBackendUnavailable, LockError
 from . import fresh as fresh_path
 from . import layout, line_scripts, scripts, wire
 from .addresses import redact_url
-from .lock import Backend, Done, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, ms, slot_safe
+from .backend import ForceReleased, HandoffSender
+from .lock import Done, Forced, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, ms, slot_safe
 from .plumbing import DEFAULT_REPLICA_TIMEOUT, ScriptClient, Unreplicated
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -38,47 +39,6 @@ DEFAULT_CLIENT_OPTIONS = {"socket_connect_timeout": 5.0, "socket_timeout": 10.0}
 DEFAULT_TURN_TIMEOUT = 300.0
 """Seconds the key stays reserved for a waiter whose turn was sent, until its copy arrives
 (``singleton_lock_turn_timeout``): then it passes to the next waiter."""
-
-HandoffSender = Callable[[Any, Handoff], bool]
-"""How a server sends a waiter's message (the Celery side's ``handoff.send``): (server, hand-off) -> sent."""
-
-
-class LockBackend(Backend, Protocol):
-    """What the Celery side, the watchdog and ``held()`` need of a lock server, whatever its
-    topology: :class:`LockServer` (one Redis, and its Sentinel and Cluster subclasses) and the
-    quorum of masters (:class:`~celery_singleton_lock.topologies.quorum.QuorumLockServer`, which
-    is not a LockServer: it has no single Redis to run a script on), and etcd. One Redis orders its
-    waiting line with the scripts of :mod:`.line`; etcd has lines of its own (``waiting``: see
-    :class:`.line.Waiting`); a quorum has none (``supports_line`` False). It is all a :class:`.lock.Lock`
-    needs of its server (:class:`.lock.Backend`: release, renew, renew_many), and more."""
-
-    client: Any
-    """A plain client for reads that take no lock (operators, beat's run record): a quorum's first member's."""
-    # What the backend can do (the Celery side asks these, never the backend's class; see CONTRIBUTING):
-    supports_line: bool  # keys can have a waiting line (a quorum of independent masters cannot order one)
-    supports_slot_wait: bool  # a waiter can block on its wake-up list (BLPOP): lock_wait_in_slot, eager waits
-    supports_merge: bool  # calls can merge into a waiter (coalesce; elsewhere each call parks)
-    supports_publish: bool  # publish marks (lock_publish)
-    supports_cooldown: bool  # the key can stay taken after a release (lock_cooldown)
-    may_lose_data: bool  # a restart without persistence can empty it (checked at worker start)
-    send_handoff: HandoffSender | None
-    turn_timeout: float
-    min_replicas: int
-    replica_timeout: float
-
-    def acquire(self, name: str, ttl: float, *, owner_id: str | None = None, token: str | None = None,
-                entry: str | None = None, check_done: bool = False,
-                retake: str | None = None, slot_claim: bool = False) -> Lock | Holder | Verdict | Done: ...
-
-    def with_timeout(self, seconds: float) -> LockBackend: ...
-
-    def holder(self, name: str) -> Holder | None: ...
-
-    def dispatch(self, handoffs: Iterable[Handoff]) -> None: ...
-
-    def error(self, exc: Exception, key: str) -> LockError: ...
-
-    def close(self) -> None: ...
 
 
 def renew_one(backend: Any, lock: Lock) -> bool:
@@ -110,8 +70,9 @@ class LockServer(ScriptClient):
     """
 
     supports_line = supports_slot_wait = supports_merge = supports_publish = supports_cooldown = True
-    """What it can do (see :class:`LockBackend`): everything, on one Redis (and Sentinel and Cluster)."""
+    """What it can do (see :class:`~.backend.LockBackend`): everything, on one Redis (and Sentinel and Cluster)."""
     may_lose_data = True
+    majority = 0  # one server's word decides
 
     def __init__(self, client: redis.Redis, *, url: str | None = None, min_replicas: int = 0,
                  replica_timeout: float = DEFAULT_REPLICA_TIMEOUT) -> None:
@@ -388,3 +349,20 @@ class LockServer(ScriptClient):
         except RedisError as exc:
             raise self.error(exc, key) from exc
         return None if value is None else Holder.parse(key, value, pttl)
+
+    def nodes(self, key: str | None = None) -> list[tuple[str, Any]]:
+        """The one Redis its locks are on (Sentinel: the master it finds now); a Cluster overrides it."""
+        return [(self.url, self.client)]
+
+    def listing(self) -> None:
+        """None: its locks are Redis keys, which the operators' commands read on :meth:`nodes`."""
+
+    def force_release(self, key: str, expected: str = "") -> ForceReleased:
+        """For operators (see :class:`~.backend.LockBackend`): one script deletes the lock and hands the
+        key to the next waiter, whose message this sends. Raises the LockError of an unreachable Redis."""
+        reply = self.run(scripts.FORCE_RELEASE_KEPT, self.keys_for(key), (expected,))
+        status, value = Forced(int(reply[0])), reply[1]
+        handoffs = tuple(Handoff.parse(key, item) for item in reply[2:]) if status is not Forced.CHANGED_HANDS else ()
+        self.dispatch(handoffs)  # publishes the waiting task the key was handed to
+        raw = value if isinstance(value, bytes) else str(value or "").encode()
+        return ForceReleased(status, raw, int(status is Forced.RELEASED), handoffs)

@@ -17,9 +17,10 @@ from redis.exceptions import RedisError
 
 from ..exceptions import LockError
 from . import layout, line_scripts
+from .backend import LockBackend
 from .line import SWEEP_BATCH, SWEEP_INTERVAL, SWEEP_LEASE, own_line, sweep
 from .lock import Handoff, ms, slot_safe
-from .server import LockBackend, LockServer
+from .server import LockServer
 
 logger = logging.getLogger("celery_singleton_lock")
 

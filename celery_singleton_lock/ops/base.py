@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from ..delivery import config
 from ..delivery.task import LockedTask
 from ..engine.addresses import redact_url
-from ..engine.server import LockBackend
+from ..engine.backend import LockBackend
 from ..exceptions import LockError
 from ..topologies import servers
 from .nodes import Node, nodes_of

@@ -36,8 +36,7 @@ import click
 
 from ..engine import layout
 from ..exceptions import LockKeyError
-from ..topologies.etcd import EtcdLockServer
-from . import etcd_ops
+from . import listed
 from .base import Target, fail, locks, open_target, resolve_task
 from .nodes import node_of_key
 from .reading import SCAN_COUNT, read_locks, read_one, scan
@@ -67,8 +66,9 @@ def list_locks(ctx: click.Context, task_name: str | None, as_json: bool, count: 
     """One line per held lock: key, task, holder, host, pid, held for, expires in, fencing token, waiters."""
     target = open_target(ctx)
     task_name = resolve_task(target, task_name) if task_name else None
-    if isinstance(target.server, EtcdLockServer):
-        etcd_ops.list_locks(target, target.server, task_name, as_json)
+    listing = target.server.listing()
+    if listing is not None:  # its locks are no Redis keys to SCAN: it lists them itself (etcd)
+        listed.list_locks(target, listing, task_name, as_json)
         return
     rows: list[dict[str, Any]] = []
     for node, batch in scan(target, task_name, count):
@@ -115,8 +115,9 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     """
     target = open_target(ctx)
     task = target.task_of(key)
-    if isinstance(target.server, EtcdLockServer):
-        etcd_ops.show(ctx, target.server, key, task, as_json)
+    listing = target.server.listing()
+    if listing is not None:
+        listed.show(ctx, listing, key, task, as_json)
         return
 
     def read(client: Any) -> list[Any]:

@@ -26,7 +26,6 @@ from ..delivery import config, options
 from ..delivery.task import LockedTask
 from ..engine.addresses import redact_url
 from ..topologies import servers
-from ..topologies.etcd import EtcdLockServer
 from .base import fail, locks
 from .nodes import nodes_of
 
@@ -107,13 +106,12 @@ def server_problems(settings: config.LockSettings) -> Iterator[Problem]:
         yield "error", f"cannot use the lock server URL {url}: {exc}"
         return
     try:
-        if isinstance(server, EtcdLockServer):
+        nodes, _ = nodes_of(server)
+        if not nodes:  # no Redis server to look at (etcd): whether it answers is what there is to check
             try:
                 server.holder("celery-locks-check")
             except Exception as exc:
                 yield "error", f"the lock server {url} does not answer: {exc}"
-            return
-        nodes, _ = nodes_of(server)
         for node in nodes:
             yield from node_problems(node.label, node.client, settings.min_replicas)
     finally:

@@ -29,19 +29,18 @@ import click
 from ..delivery import handoff
 from ..delivery.headers import PARKED_AT
 from ..engine import layout, line_ops
-from ..engine.server import LockServer
 from ..exceptions import LockError
-from ..topologies.etcd import EtcdLockServer
 from .base import Target, audit, fail, locks, open_target, who_am_i
 from .survey import KINDS, STATES, duration, message_summary, to_json
 
 
 def read_line(target: Target, key: str) -> list[dict[str, Any]]:
     """The key's waiters, next first, then those handed the key and on their way (out of the line)."""
-    if isinstance(target.server, EtcdLockServer):
-        waiters, reserved_for = target.server.waiting.records(key)
+    listing = target.server.listing()
+    if listing is not None:  # (etcd) its lines are no Redis keys either: it reads them itself
+        waiters, reserved_for = listing.waiters(key)
         now = time.time()
-        return [_row(w.record, w.entry, i + 1, w.entry == reserved_for, now) for i, w in enumerate(waiters)]
+        return [_row(record, entry, i + 1, entry == reserved_for, now) for i, (entry, record) in enumerate(waiters)]
 
     def read(client: Any) -> list[Any]:
         pipe = client.pipeline(transaction=False)
@@ -146,11 +145,7 @@ def drop(ctx: click.Context, key: str, task_id: str, yes: bool) -> None:
         fail(f"{target.url} has no waiting line (a quorum of masters orders none)")
     server.send_handoff = handoff.SEND
     try:
-        if isinstance(server, EtcdLockServer):
-            removed, handoffs = server.waiting.drop(key, task_id)
-        else:
-            assert isinstance(server, LockServer)
-            removed, handoffs = line_ops.remove(server, key, task_id)
+        removed, handoffs = line_ops.remove(server, key, task_id)  # (its own line's drop, on etcd)
     except (LockError, ValueError) as exc:
         fail(str(exc))
     if not removed:

@@ -21,13 +21,9 @@ from typing import Any
 import click
 
 from ..delivery import handoff
-from ..engine import line_ops
 from ..engine.lock import Forced
-from ..engine.server import LockServer
 from ..exceptions import LockError
-from ..topologies.etcd import EtcdLockServer
-from ..topologies.quorum import QuorumLockServer
-from . import etcd_ops
+from . import listed
 from .base import Target, audit, fail, locks, open_target, resolve_task, who_am_i
 from .nodes import node_of_key
 from .reading import read_batch, read_locks, read_one, scan
@@ -58,8 +54,9 @@ def release(ctx: click.Context, key: str | None, task_name: str | None, every: b
         _release_task(ctx, target, resolve_task(target, task_name), yes)
         return
     task = target.task_of(key)
-    if isinstance(target.server, EtcdLockServer):
-        etcd_ops.release(ctx, target.server, key, task, yes, lambda c, k, row: confirm(
+    listing = target.server.listing()
+    if listing is not None:  # (etcd) its locks are no Redis keys: it reads them itself
+        listed.release(ctx, target.server, listing, key, task, yes, lambda c, k, row: confirm(
             c, f"lock {k}: {describe(row)}", "Force-release it? Its holder keeps running, without the lock"))
         return
     held = _held(target, [(key, task)], node_of_key(target.server, key).client)
@@ -78,9 +75,13 @@ def release(ctx: click.Context, key: str | None, task_name: str | None, every: b
 
 def _release_task(ctx: click.Context, target: Target, task: str, yes: bool) -> None:
     """Every lock of ``task``: listed, confirmed once, then released one by one (each audited)."""
+    listing = target.server.listing()
     held: list[tuple[dict[str, Any], str]] = []
-    for node, batch in scan(target, task):
-        held.extend(_held(target, batch, node.client))
+    if listing is not None:  # (etcd) it lists its own locks
+        held = listed.held_of(target, listing, task)
+    else:
+        for node, batch in scan(target, task):
+            held.extend(_held(target, batch, node.client))
     held.sort(key=lambda pair: pair[0]["key"])
     if not held:
         click.echo(f"no locks of task {task}: nothing released")
@@ -92,7 +93,9 @@ def _release_task(ctx: click.Context, target: Target, task: str, yes: bool) -> N
                 "Force-release all of them? Their holders keep running, without the lock")
     released = 0
     for row, token in held:
-        status, line = _force(target, row["key"], task, "" if yes else token)
+        expected = "" if yes else token
+        status, line = (listed.force(target.server, row, expected) if listing is not None
+                        else _force(target, row["key"], task, expected))
         released += status is Forced.RELEASED
         click.echo(line)
     click.echo(f"{released} of {len(held)} lock(s) of task {task} released")
@@ -125,16 +128,15 @@ def _held(target: Target, batch: list[tuple[str, str]], client: Any) -> list[tup
 
 def _force(target: Target, key: str, task: str, expected: str) -> tuple[Forced, str]:
     """Release one lock: what it found, and the line to print."""
-    if isinstance(target.server, QuorumLockServer):
-        return _force_on_quorum(target, target.server, key, task, expected)
+    if target.majority:  # each member holds its own copy of the key: it goes on every member
+        return _force_on_quorum(target, key, task, expected)
     for task_obj in target.tasks.values():  # waiting copies of these tasks are published from here
         handoff.register(task_obj)
-    assert isinstance(target.server, LockServer)
     target.server.send_handoff = handoff.SEND
     now_us, found = read_batch(target, [(key, task)], node_of_key(target.server, key).client)
     waiters = found[0][4] if found else 0
     try:
-        done = line_ops.force_release(target.server, key, expected)
+        done = target.server.force_release(key, expected)
     except LockError as exc:
         fail(str(exc))
     passed = "".join(
@@ -161,19 +163,18 @@ def _force(target: Target, key: str, task: str, expected: str) -> tuple[Forced, 
     return Forced.RELEASED, line
 
 
-def _force_on_quorum(target: Target, server: QuorumLockServer, key: str, task: str,
-                     expected: str) -> tuple[Forced, str]:
+def _force_on_quorum(target: Target, key: str, task: str, expected: str) -> tuple[Forced, str]:
     """A quorum: the key deleted on every member that has it, whatever the majority says."""
     row = read_one(target, key, task)
     try:
-        status, _value, on = server.force_release(key, expected)
+        status, _value, on, _ = target.server.force_release(key, expected)
     except LockError as exc:
         fail(str(exc))
     if status is not Forced.RELEASED or row is None:
         gone = "changed hands since it was shown" if status is Forced.CHANGED_HANDS else "is gone"
         return status, f"lock {key} {gone}: " \
                        "nothing released"
-    line = (f"lock {key} force-released on {on} of {len(server.members)} members by {who_am_i()}: it was "
+    line = (f"lock {key} force-released on {on} of {len(target.nodes)} members by {who_am_i()}: it was "
             f"{describe(row)}")
     audit(line)
     return Forced.RELEASED, line

@@ -5,7 +5,8 @@ its masters: a SCAN of one node sees only that node's keys, so ``celery locks li
 each master. A quorum of independent masters keeps each lock on several members, maybe not
 on all of them (one was stopped, or restarted empty), so the commands read every member and
 show the majority's verdict beside what each member holds (:func:`verdict`), the same rule
-the workers use: a key is held only when a majority holds it under one token.
+the workers use: a key is held only when a majority holds it under one token. Each backend says
+which nodes it has (``nodes()``): etcd has none, its locks are no Redis keys (see listed.py).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.server import LockBackend
-from ..topologies.cluster import ClusterLockServer
-from ..topologies.quorum import QuorumLockServer, most_held
+from ..engine.backend import LockBackend
+from ..topologies.quorum import most_held
 
 
 @dataclass(frozen=True)
@@ -27,21 +27,15 @@ class Node:
 
 
 def nodes_of(server: LockBackend) -> tuple[list[Node], int]:
-    """The nodes to read, and the majority needed for a verdict (0: not a quorum, one node decides)."""
-    if isinstance(server, QuorumLockServer):
-        return [Node(m.url, m.client) for m in server.members], server.majority
-    if isinstance(server, ClusterLockServer):
-        cluster = server.cluster
-        return [Node(n.name, cluster.get_redis_connection(n)) for n in cluster.get_primaries()], 0
-    return [Node(server.url, server.client)], 0
+    """The nodes to read, and the majority needed for a verdict (0: not a quorum, one node decides):
+    what the backend says it has (:meth:`~celery_singleton_lock.engine.backend.LockBackend.nodes`)."""
+    return [Node(label, client) for label, client in server.nodes()], server.majority
 
 
 def node_of_key(server: LockBackend, key: str) -> Node:
-    """The node that holds ``key`` (the master of its slot on a Cluster; the one Redis otherwise)."""
-    if isinstance(server, ClusterLockServer):
-        node = server.cluster.get_node_from_key(key)
-        return Node(node.name, server.cluster.get_redis_connection(node))
-    return Node(server.url, server.client)
+    """The node to read ``key`` on (the master of its slot on a Cluster; the one Redis otherwise)."""
+    label, client = server.nodes(key)[0]
+    return Node(label, client)
 
 
 def token_of(value: bytes | None) -> str | None:

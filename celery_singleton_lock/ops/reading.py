@@ -8,8 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..engine import layout
-from ..topologies.etcd import EtcdLockServer
-from . import etcd_ops
+from . import listed
 from .base import CliError, Target, fail
 from .nodes import Node, member_states, node_of_key, verdict
 from .survey import glob_escape, lock_row, parse_key
@@ -131,8 +130,9 @@ def read_quorum(target: Target, batch: list[tuple[str, str]]) -> list[dict[str, 
 def read_one(target: Target, key: str, task: str) -> dict[str, Any] | None:
     """The lock ``key`` now, as a row (None when nobody holds it; on a quorum, a row also when only
     a minority holds it, with ``held`` False)."""
-    if isinstance(target.server, EtcdLockServer):
-        return etcd_ops.read_one(target.server, key, task)
+    listing = target.server.listing()
+    if listing is not None:  # (etcd) no Redis node to read it on
+        return listed.read_one(listing, key, task)
     rows = read_locks(target, [(key, task)], node_of_key(target.server, key).client)
     return rows[0] if rows else None
 

@@ -221,6 +221,11 @@ class ClusterLockServer(LockServer):
         except RedisClusterException as exc:  # e.g. no node could be reached to load a script
             raise LockBackendUnavailable(self.url, str(exc)) from exc
 
+    def nodes(self, key: str | None = None) -> list[tuple[str, Any]]:
+        """Every master (a SCAN of one sees only its own slots' keys), or the master of ``key``'s slot."""
+        found = [self.cluster.get_node_from_key(key)] if key is not None else self.cluster.get_primaries()
+        return [(node.name, self.cluster.get_redis_connection(node)) for node in found]
+
     def _twin(self, seconds: float) -> LockServer:
         kwargs = dict(self._connection_kwargs)
         kwargs.update(socket_timeout=seconds, socket_connect_timeout=seconds, retry=Retry(NoBackoff(), 0))

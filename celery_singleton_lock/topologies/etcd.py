@@ -39,11 +39,13 @@ from dataclasses import replace
 from typing import Any
 
 from ..engine import layout
+from ..engine.backend import ForceReleased, HandoffSender
 from ..engine.line import entry_for
 from ..engine.lock import Done, Forced, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, slot_safe
-from ..engine.server import DEFAULT_TURN_TIMEOUT, TOKEN_BYTES, HandoffSender, renew_one
+from ..engine.server import DEFAULT_TURN_TIMEOUT, TOKEN_BYTES, renew_one
 from ..exceptions import LockBackendUnavailable, LockError
 from .etcd_line import EtcdLine, anyone_waits, line_is_empty
+from .etcd_listing import EtcdListing
 from .etcd_records import EtcdRecords
 from .etcd_session import DoneLeases, LeaseGone, Session, Sessions, Transport, b64, lease_ttl, parse_etcd_url, unb64
 from .etcd_txn import LATE, Doubts, _compare_create, _compare_value, _kvs, _put, _range, _value, not_tombed, tomb
@@ -60,12 +62,13 @@ txn: etcd's default limit of operations per txn); a larger one only keeps the le
 
 
 class EtcdLockServer:
-    """An etcd v3 cluster as a :class:`~celery_singleton_lock.engine.server.LockBackend` (see the
+    """An etcd v3 cluster as a :class:`~celery_singleton_lock.engine.backend.LockBackend` (see the
     module doc). Create one per URL and process (``servers.shared``): it holds the sessions."""
 
     supports_line = True
     supports_slot_wait = supports_merge = supports_publish = supports_cooldown = False
     may_lose_data = False  # (consensus: a member's restart loses nothing the cluster acknowledged)
+    majority = 0  # (Raft's majority decides inside etcd: the cluster answers as one)
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
@@ -368,16 +371,25 @@ class EtcdLockServer:
         return [(self._holder(unb64(kv["key"]).decode()[len(prefix):], kv), int(kv.get("lease", 0) or 0))
                 for kv in reply.get("kvs") or []]
 
-    def force_release(self, key: str, expected: str = "") -> tuple[Forced, bytes, int]:
+    def nodes(self, key: str | None = None) -> list[tuple[str, Any]]:
+        """No Redis server: its locks are etcd keys (:meth:`listing` reads them)."""
+        return []
+
+    def listing(self) -> EtcdListing:
+        """The operators' reads: etcd lists its own locks (:mod:`.etcd_listing`)."""
+        return EtcdListing(self)
+
+    def force_release(self, key: str, expected: str = "") -> ForceReleased:
         """For operators: delete ``key``'s lock whoever holds it (only if its value starts with
-        ``expected``, when given): what it found, the value, and 1 (the members it was deleted on)."""
+        ``expected``, when given). Nothing is handed on here: the next caller or a sweeper hands the key
+        to its line, as after a holder whose lease ran out (:meth:`.EtcdLine.hand_on`)."""
         found = self.holder(key)
         if found is None:
-            return Forced.NO_LOCK, b"", 0
+            return ForceReleased(Forced.NO_LOCK, b"")
         if expected and not found.raw.startswith(expected):
-            return Forced.CHANGED_HANDS, found.raw.encode(), 0
+            return ForceReleased(Forced.CHANGED_HANDS, found.raw.encode())
         lock_key = layout.etcd_lock(slot_safe(key))
         reply = self.transport.txn([_compare_create(lock_key, found.fencing_token or 0)],
                                    [{"request_delete_range": {"key": b64(lock_key)}}], [], key)
-        return (Forced.RELEASED, found.raw.encode(), 1) if reply.get("succeeded") \
-            else (Forced.CHANGED_HANDS, found.raw.encode(), 0)
+        done = bool(reply.get("succeeded"))
+        return ForceReleased(Forced.RELEASED if done else Forced.CHANGED_HANDS, found.raw.encode(), int(done))

@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from typing import cast
 
 from ..engine import reentry
+from ..engine.backend import LockBackend
 from ..engine.line import wait_turn
 from ..engine.lock import Done, Holder, Lock, Verdict, slot_safe
-from ..engine.server import LockBackend, LockServer
 from ..exceptions import LockContended
 from ..watchdog.process import get_watchdog
 from .servers import shared
@@ -74,9 +74,9 @@ def held(
                     yield lock
                 return
     if not isinstance(outcome, Lock) and wait > 0:
-        if isinstance(server, LockServer):  # one Redis orders its waiters: a line
+        if server.supports_slot_wait:  # it can block a waiter in its line, woken by the release (one Redis)
             outcome = wait_turn(server, name, ttl, owner_id=owner_id, wait=wait)
-        else:  # a quorum of masters orders no line: try again with back-off until the wait runs out
+        else:  # no line (a quorum), or none that wakes plain code (etcd): try again with back-off
             outcome = _poll(server, name, ttl, owner_id, wait)
     if not isinstance(outcome, Lock):
         holder = outcome.owner_id if isinstance(outcome, Holder) else None
@@ -96,7 +96,7 @@ def held(
 def _poll(
     server: LockBackend, name: str, ttl: float, owner_id: str | None, wait: float,
 ) -> Lock | Holder | Verdict | Done:
-    """Try again every 20 ms doubling to 0.5 s, until ``wait`` runs out (quorum mode)."""
+    """Try again every 20 ms doubling to 0.5 s, until ``wait`` runs out (a server with no wait in line)."""
     deadline = time.monotonic() + wait
     pause = 0.02
     while True:

@@ -54,8 +54,9 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ..engine import layout, scripts, wire
+from ..engine.backend import ForceReleased, HandoffSender
 from ..engine.lock import Forced, Holder, Lock, Release, Released, Verdict, check_ttl, ms, slot_safe
-from ..engine.server import TOKEN_BYTES, HandoffSender, LockServer, renew_one
+from ..engine.server import TOKEN_BYTES, LockServer, renew_one
 from ..exceptions import LockBackendUnavailable, LockError
 from . import quorum_scripts as qlua
 from .fanout import PENDING, SKIPPED, MemberPipe, NotSent, gather
@@ -88,7 +89,7 @@ vote alone does not count until a TTL has passed (the automatic form of Redlock'
 class QuorumLockServer:
     """N >= 3 independent Redis masters, used as one lock server (see the module doc).
 
-    A :class:`~celery_singleton_lock.engine.server.LockBackend` (not a LockServer: there is no single
+    A :class:`~celery_singleton_lock.engine.backend.LockBackend` (not a LockServer: there is no single
     Redis to run a script on, so no waiting line): every operation goes to the members.
     """
 
@@ -341,10 +342,17 @@ class QuorumLockServer:
             flat.extend([reply] * len(part) if isinstance(reply, Exception) else scripts.renewed(reply))
         return flat
 
-    def force_release(self, key: str, expected: str = "") -> tuple[Forced, bytes, int]:
+    def nodes(self, key: str | None = None) -> list[tuple[str, Any]]:
+        """Every member, whatever the key: each keeps its own copy of a lock, and a majority decides."""
+        return [(m.url, m.client) for m in self.members]
+
+    def listing(self) -> None:
+        """None: its locks are Redis keys, read on every member (:meth:`nodes`)."""
+
+    def force_release(self, key: str, expected: str = "") -> ForceReleased:
         """For operators: delete ``key``'s lock on every member, whoever holds it (only where it
-        starts with ``expected``, when given). Returns (RELEASED: on at least one member, the value
-        deleted, on how many members; or NO_LOCK, or CHANGED_HANDS: nothing deleted)."""
+        starts with ``expected``, when given): RELEASED (on at least one member: the value deleted,
+        on how many), NO_LOCK, or CHANGED_HANDS (nothing deleted). No line: nothing is handed on."""
         keys = layout.lock_keys(key)
         every = range(len(self.members))
         replies = self._fan_out(scripts.FORCE_RELEASE, [(keys, (expected,))], lambda r: False, force=every)
@@ -354,9 +362,9 @@ class QuorumLockServer:
             raise LockBackendUnavailable(self.url, f"no majority answered the release: {errors[0] if errors else ''}")
         deleted = [r for r in answered if int(r[0]) == 1]
         if deleted:
-            return Forced.RELEASED, bytes(deleted[0][1]), len(deleted)
-        changed = [r for r in answered if int(r[0]) == -1]
-        return (Forced.CHANGED_HANDS, bytes(changed[0][1]), 0) if changed else (Forced.NO_LOCK, b"", 0)
+            return ForceReleased(Forced.RELEASED, bytes(deleted[0][1]), len(deleted))
+        changed = [bytes(r[1]) for r in answered if int(r[0]) == -1]
+        return ForceReleased(Forced.CHANGED_HANDS, changed[0]) if changed else ForceReleased(Forced.NO_LOCK, b"")
 
     def holder(self, name: str) -> Holder | None:
         for member in self.members:

@@ -37,9 +37,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.addresses import redact_url
+from ..engine.backend import LockBackend
 from ..engine.lock import check_ttl
 from ..engine.plumbing import DEFAULT_REPLICA_TIMEOUT
-from ..engine.server import LockBackend, LockServer
+from ..engine.server import LockServer
 from .cluster import ClusterLockServer
 from .sentinel import SentinelLockServer
 from .urls import quorum_members, redis_url_for, topology

@@ -13,7 +13,7 @@ from celery.signals import worker_process_init, worker_process_shutdown, worker_
 
 from ..engine import exchange, persistence
 from ..engine import sweeper as sweeping
-from ..engine.server import LockBackend
+from ..engine.backend import LockBackend
 from ..exceptions import LockKeyError
 from ..watchdog.process import shutdown_watchdog
 

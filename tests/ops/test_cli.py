@@ -386,6 +386,11 @@ def test_exit_statuses_on_etcd(worker_app, etcd_server):
         out = celery_cli("locks", "drop", missing, "waiter-1", "--yes", env=on)
         assert out.returncode == 0 and "dropped from the line" in out.stdout, (out.stdout, out.stderr)
         assert lines.line(held.server, missing) == []
+        # every lock of the task: listed by the backend itself, as `list` does
+        out = celery_cli("locks", "release", "--task", HOLD, "--all", env=on, input="y\n")
+        assert out.returncode == 0 and f"lock {missing}: held by task someone" in out.stdout, (out.stdout, out.stderr)
+        assert f"lock {missing} force-released by user " in out.stdout and " released" in out.stdout.splitlines()[-1]
+        assert held.server.holder(missing) is None
     finally:
         held.release()
     out = celery_cli("locks", "line", missing, env=on)
