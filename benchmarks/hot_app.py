@@ -48,6 +48,7 @@ from celery import Celery
 from celery.signals import after_task_publish, worker_ready
 
 from celery_singleton_lock import LockedTask, duplicate_skipped
+from celery_singleton_lock.delivery.headers import described
 
 BROKER_URL = os.environ.get("BENCH_HOT_BROKER_URL", "redis://127.0.0.1:6397/0")
 LOCK_URL = os.environ.get("BENCH_HOT_LOCK_URL", "redis://127.0.0.1:6396/0")
@@ -152,16 +153,14 @@ def _parked(sender=None, task_id=None, policy=None, **_) -> None:
     record(f"park {task_id} {time.monotonic_ns()} {os.getpid()} {policy}")
 
 
-_WHY = (("singleton_lock_entry", "entry"), ("singleton_lock_backoff", "backoff"),
-        ("singleton_lock_expired", "expired"), ("singleton_lock_recovered", "recovered"))
+_WHY = ("recovered", "entry", "backoff", "expired")
 
 
 @after_task_publish.connect(weak=False)
 def _published(sender=None, headers=None, **_) -> None:
+    said = described(headers)
+    why = next((label for label in _WHY if said.get(label)), "other")
     headers = headers or {}
-    why = next((label for name, label in _WHY if headers.get(name)), "other")
-    if headers.get("singleton_lock_recovered"):
-        why = "recovered"
     record(f"pub {sender} {headers.get('id')} {time.monotonic_ns()} {os.getpid()} {why}")
 
 

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any
 
-from .delivery.headers import PARKED_AT
+from .delivery.headers import turn_of
 from .signals import duplicate_skipped, lock_acquired, lock_lost, lock_released
 from .watchdog import rounds as watchdog
 
@@ -109,8 +109,8 @@ def _on_acquired(sender: Any = None, key: str = "", task_id: str = "", **_: Any)
     _m["acquired"].labels(task).inc()
     _m["held"].labels(task).inc()
     _held_since[(key, task_id)] = time.monotonic()
-    parked_at = ((getattr(getattr(sender, "request", None), "headers", None) or {}).get(PARKED_AT))
-    if isinstance(parked_at, (int, float)):
+    parked_at = turn_of(getattr(getattr(sender, "request", None), "headers", None)).parked_at
+    if parked_at is not None:
         _m["wait"].labels(task).observe(max(0.0, time.time() - parked_at))
 
 

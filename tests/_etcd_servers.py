@@ -110,9 +110,15 @@ class EtcdMember:
         return bool(health and health.get("health") == "true")
 
     def pause(self) -> None:
+        """SIGSTOP, and wait until every thread of it has stopped (a signal is delivered
+        asynchronously: a request sent at once could still be served)."""
         if self.proc and not self.paused:
             os.kill(self.proc.pid, signal.SIGSTOP)
             self.paused = True
+            pid = self.proc.pid
+            deadline = time.monotonic() + 10
+            while not _stopped(pid) and time.monotonic() < deadline:
+                time.sleep(0.001)
 
     def resume(self) -> None:
         if self.proc and self.paused:
@@ -191,3 +197,12 @@ def wait_healthy(cluster: EtcdCluster, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     wait_until(lambda: all(m.healthy() for m in cluster.members if m.proc and not m.paused),
                max(0.1, deadline - time.monotonic()), 0.1, "etcd members to be healthy")
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped (state T in /proc)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        return all(open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
+    except (OSError, IndexError):
+        return True

@@ -13,7 +13,7 @@ from ..engine.lock import Holder, Lock, Verdict
 from ..exceptions import LockBackendUnavailable, LockWaitTimeout
 from . import coalescing, config, identity, policies, publishing, releasing
 from .decide import Action, Delivery
-from .headers import EXPIRED
+from .headers import turn_of
 
 
 def first_look(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, server: LockBackend,
@@ -21,8 +21,7 @@ def first_look(task: Any, request: Any, args: Any, kwargs: Any, settings: config
     """Before the acquire. A turn whose wait ran out fails with :class:`LockWaitTimeout` (and the
     calls merged into it the same way). If those cannot be read, it is sent again, still expired: it
     must not fail alone and leave them WAITING."""
-    headers = request.headers or {}
-    if headers.get(EXPIRED):
+    if turn_of(request.headers).expired:
         expired = LockWaitTimeout(key, settings.max_wait)
         if settings.on_duplicate == "coalesce":
             try:

@@ -5,14 +5,10 @@ parked; this module is the Celery side of that: :func:`pack` turns the running
 request into those bytes (the same signature ``self.retry()`` would send: task
 id, arguments, chain, links, chord, group, routing, priority), and
 :func:`send` is the function the engine calls to publish it again (through
-the app that registered the task), with a header that says why:
-
-``singleton_lock_entry``
-    its turn came: claim the key reserved for this waiter entry;
-``singleton_lock_recovered``
-    sent again because the lock Redis lost its data (with its entry id);
-``singleton_lock_expired``
-    it waited longer than its ``lock_max_wait``: fail it.
+the app that registered the task), its ``singleton_lock_turn`` header (:class:`.headers.Turn`) saying
+why: its turn came (``run``: claim the key reserved for its entry), the lock Redis lost its data
+(``recovered``: sent again, with its entry), or it waited longer than its ``lock_max_wait``
+(``expired``: fail it).
 
 Each of them goes to the turns queue of the queue the task was first
 delivered from (see :mod:`celery_singleton_lock.delivery.turns`), so a waiter does
@@ -24,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from celery import Celery
@@ -34,7 +31,7 @@ from ..engine import sweeper as sweeping
 from ..engine.backend import HandoffSender
 from ..engine.lock import Handoff
 from . import turns
-from .headers import ENTRY, EXPIRED, PARKED_AT, QUEUE, RECOVERED
+from .headers import Turn, turn_of
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -49,10 +46,10 @@ def pack(task: Any, request: Any, args: Any, kwargs: Any) -> bytes:
     """
     sig = task.signature_from_request(request, args, kwargs)
     sig.options.pop("redelivered", None)  # delivery_info, copied by Celery: not an option to publish
-    ours: dict[str, Any] = {PARKED_AT: first_parked_at(request) or time.time()}
-    queue = (request.headers or {}).get(QUEUE) or turns.original_queue(task.app, request.delivery_info)
+    turn = turn_of(request.headers)
+    queue = turn.queue or turns.original_queue(task.app, request.delivery_info)
+    ours = Turn(parked_at=turn.parked_at or time.time(), queue=queue or None).header()
     if queue:
-        ours[QUEUE] = queue
         if turns.SUFFIX in str(sig.options.get("queue") or sig.options.get("routing_key") or ""):
             # a copy that came from a turns queue: it goes back to its own queue when it is published again
             sig.options.pop("exchange", None)
@@ -67,11 +64,7 @@ def pack(task: Any, request: Any, args: Any, kwargs: Any) -> bytes:
 
 def first_parked_at(request: Any) -> float | None:
     """When this call first parked (epoch seconds), if this delivery is a copy of a waiting task."""
-    value = (request.headers or {}).get(PARKED_AT)
-    try:
-        return float(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
+    return turn_of(request.headers).parked_at
 
 
 _apps: dict[str, Celery] = {}
@@ -121,17 +114,17 @@ def send(server: Any, handoff: Handoff) -> bool:
         return False
     sig = app.signature(body)
     headers = dict(sig.options.get("headers") or {})
+    turn = turn_of(headers)
     if handoff.what in ("run", "next"):  # its turn, or (next) sent ahead of it to wait in a worker slot
-        headers[ENTRY] = handoff.entry
-    elif handoff.what == "recovered":
-        headers[ENTRY] = handoff.entry
-        headers[RECOVERED] = uuid.uuid4().hex  # which recovered copy: a STARTED it stores names it
+        turn = replace(turn, entry=handoff.entry, why="run")
+    elif handoff.what == "recovered":  # (the copy's id: a STARTED it stores names it)
+        turn = replace(turn, entry=handoff.entry, why="recovered", copy=uuid.uuid4().hex)
     elif handoff.what == "expired":
-        headers[EXPIRED] = 1
+        turn = replace(turn, why="expired")
     else:
         raise ValueError(f"unknown hand-off {handoff.what!r}")
-    sig.options["headers"] = headers
-    queue = headers.get(QUEUE)
+    sig.options["headers"] = {**headers, **turn.header()}
+    queue = turn.queue
     if isinstance(queue, str) and turns.consumed(queue):  # our worker reads it: no waiting behind the backlog
         for option in ("exchange", "routing_key"):  # they would win over the queue's own
             sig.options.pop(option, None)

@@ -27,7 +27,7 @@ from celery.states import READY_STATES, STARTED, SUCCESS
 from ..engine.lock import Done, Holder, Lock, Verdict
 from .compat import get_actual_ignore_result
 from .decide import Delivery, Found
-from .headers import ENTRY, RECOVERED, UNREACHABLE
+from .headers import resend_of, turn_of
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -35,10 +35,10 @@ logger = logging.getLogger("celery_singleton_lock")
 def delivery(task: Any, request: Any, policy: str, line: bool, redelivered: bool, resent: bool,
              entry: str | None) -> Delivery:
     """Who is asking, for the decision table (looked up once, at the delivery's first refusal)."""
-    headers = request.headers or {}
+    turn = turn_of(request.headers)
     # a turn's claim sent again because the lock Redis did not answer it: its place may be gone (its
     # first try took the key, then gave it back), so, as a recovered copy, it asks whether the call ran
-    copy = bool(headers.get(RECOVERED)) or (entry is not None and bool(headers.get(UNREACHABLE)))
+    copy = turn.recovered or (entry is not None and resend_of(request.headers).unreachable > 0)
     return Delivery(
         policy=policy,
         eager=bool(request.is_eager),
@@ -107,14 +107,15 @@ def ran_since_park(task: Any, request: Any) -> bool:
     if meta is None:
         return False
     status = meta.get("status")
-    entry = (request.headers or {}).get(ENTRY)
+    turn = turn_of(request.headers)
+    entry = turn.entry
     info = meta.get("result")
     if status == STARTED:
         if not (isinstance(info, dict) and entry is not None and info.get("entry") == entry):
             return False
         # a broker redelivery of this very copy may have stored it, and died mid-body: not another's run
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
-        return not (redelivered and info.get("copy") == str((request.headers or {}).get(RECOVERED)))
+        return not (redelivered and info.get("copy") == turn.copy)
     if status == "WAITING":  # parked again since (another message of it, e.g. its retry): this one ran
         return isinstance(info, dict) and info.get("entry") not in (None, entry)
     return status in READY_STATES  # PENDING, WAITING, RETRY: it never took its turn
@@ -126,21 +127,21 @@ def other_copy_ran(task: Any, request: Any) -> bool:
     over meanwhile? Its look before the acquire could not rule out a whole run of the other one between
     the look and the acquire; under the lock it can: the other stores STARTED while it holds the key,
     before its body. False for every other delivery (no look)."""
-    return bool((request.headers or {}).get(RECOVERED)) and ran_since_park(task, request)
+    return turn_of(request.headers).recovered and ran_since_park(task, request)
 
 
 def mark_started(task: Any, request: Any, track_started: bool) -> None:
     """STARTED, once the lock is taken: for ``track_started``, and always for a waiting task's copy,
     naming its entry (what :func:`ran_since_park` reads after a loss of the lock Redis)."""
-    headers = request.headers or {}
-    entry = headers.get(ENTRY)
+    turn = turn_of(request.headers)
+    entry = turn.entry
     if not (track_started or entry) or request.is_eager or get_actual_ignore_result(task, request):
         return
     meta: dict[str, Any] = {"pid": os.getpid(), "hostname": request.hostname}
     if entry:
         meta["entry"] = entry
-    if headers.get(RECOVERED):
-        meta["copy"] = str(headers[RECOVERED])
+    if turn.recovered:
+        meta["copy"] = turn.copy
     task.backend.store_result(request.id, meta, STARTED, request=request)
 
 

@@ -11,6 +11,7 @@ import logging
 import random
 import secrets
 import time
+from dataclasses import replace
 from typing import Any, NoReturn, cast
 
 from celery import states
@@ -34,7 +35,7 @@ from ..signals import duplicate_coalesced, duplicate_skipped
 from . import config, handoff, parked
 from .compat import eager_result, get_actual_ignore_result
 from .decide import Action
-from .headers import BACKOFF, ENTRY, EXPIRED, MARKED, PARKED_AT, REDELIVERED, TOKEN, UNREACHABLE
+from .headers import MARKED, Turn, resend_of, turn_of
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -60,7 +61,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
     given, entry = entry, entry or queue.entry_for(request.id, request.retries)
     # a fresh "retry" duplicate, or a copy sent ahead of its turn (or one that lost its reservation),
     # waits in its worker slot first (lock_wait_in_slot)
-    ahead = action is Action.PARK_FIRST and (request.headers or {}).get(ENTRY) == entry
+    ahead = action is Action.PARK_FIRST and turn_of(request.headers).entry == entry
     block = settings.wait_in_slot if (action is Action.PARK or ahead) and settings.on_duplicate == "retry" else 0.0
     if not server.supports_slot_wait:  # waiting in a worker slot is one Redis's (BLPOP): etcd parks at once
         block = 0.0
@@ -68,7 +69,7 @@ def park(task: Any, action: Action, request: Any, args: Any, kwargs: Any, settin
         parked_as = queue.park(
             server, key, entry, kind="s" if same else "t", wait=wait, ttl=settings.ttl,
             owner_id=request.id, message=message, first=first,
-            again=(request.headers or {}).get(ENTRY) == entry,
+            again=turn_of(request.headers).entry == entry,
             redelivered=bool((request.delivery_info or {}).get("redelivered")),
             # a redelivery under "coalesce" parks, unless it was merged already: then it stays merged
             merge=action is Action.COALESCE or (action is Action.PARK and settings.on_duplicate == "coalesce"),
@@ -122,7 +123,7 @@ def _in_slot(task: Any, request: Any, args: Any, kwargs: Any, settings: config.L
         sweeping.get_sweeper().forget(server, key, entry)
         # the delivery that parked the entry first leaves no tombstone; a copy (sent ahead, or its turn)
         # does: the process that parked the entry first remembers it, and looks for one
-        first = (request.headers or {}).get(ENTRY) != entry
+        first = turn_of(request.headers).entry != entry
         return _claim(task, request, args, kwargs, settings, server, key, entry, slot_claim=first)
     if got is Slot.SENT:
         raise Ignore(f"its turn for lock {key} came as a message while it waited in its slot: that copy runs it")
@@ -233,16 +234,16 @@ def eager_skip(result: Any) -> Any:
 def backoff(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, outcome: Any,
             redelivered: bool = False) -> None:
     """The "backoff" policy: send this call again later; returns only to try again (eager).
-    ``redelivered``: the call is a broker redelivery, and its re-send says so (:data:`REDELIVERED`)."""
+    ``redelivered``: the call is a broker redelivery, and its re-send says so (``Resend.redelivered``)."""
     holder_id = outcome.owner_id if isinstance(outcome, Holder) else None
-    attempt = _count(request, BACKOFF)
+    attempt = _count(request, "backoff")
     key = outcome.key if isinstance(outcome, Holder) else ""
     duplicate_skipped.send(sender=task, key=key, task_id=request.id, holder_task_id=holder_id, policy="backoff")
     if attempt >= settings.max_retries:
         raise LockContended(key, holder_id, attempt + 1)
     reason = f"lock {key} busy (held by task {holder_id}), re-sent with back-off, attempt {attempt + 1} of " \
              f"{settings.max_retries}"
-    _send_again(task, request, args, kwargs, settings, BACKOFF, attempt, reason, DuplicateTask(key, holder_id),
+    _send_again(task, request, args, kwargs, settings, "backoff", attempt, reason, DuplicateTask(key, holder_id),
                 redelivered=redelivered)
 
 
@@ -251,12 +252,12 @@ def unreachable(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
     """Redis unreachable: send this call again later, carrying the attempt's token, and, for a turn's
     claim, its ``entry`` (the key stays reserved for it: the copy claims it); returns only to try again
     (eager). The body never runs unlocked."""
-    attempt = _count(request, UNREACHABLE)
+    attempt = _count(request, "unreachable")
     if attempt >= settings.max_retries:
         raise exc
     reason = f"lock Redis unreachable ({exc.reason}), attempt {attempt + 1} of {settings.max_retries}"
     logger.warning("task %s[%s]: %s", task.name, request.id, reason)
-    _send_again(task, request, args, kwargs, settings, UNREACHABLE, attempt, reason, exc, token, entry=entry or "")
+    _send_again(task, request, args, kwargs, settings, "unreachable", attempt, reason, exc, token, entry=entry or "")
 
 
 def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: config.LockSettings, counter: str,
@@ -264,21 +265,20 @@ def _send_again(task: Any, request: Any, args: Any, kwargs: Any, settings: confi
                 redelivered: bool = False, entry: str = "") -> None:
     delay = _delay(settings, attempt)
     if request.is_eager:
-        setattr(request, counter, attempt + 1)
-        if counter == UNREACHABLE:
+        setattr(request, _EAGER + counter, attempt + 1)
+        if counter == "unreachable":
             _eager_budget(settings, request, delay, exc)
         time.sleep(delay)
         return
-    kept = (UNREACHABLE, BACKOFF, TOKEN, REDELIVERED, MARKED, EXPIRED)  # (an expired turn stays expired)
-    headers = {k: v for k, v in (request.headers or {}).items() if k in kept}
-    headers[counter] = attempt + 1
-    if redelivered:
-        headers[REDELIVERED] = "1"
-    if token:
-        headers[TOKEN] = token
-    if entry:  # a turn's claim: its entry, and when it first parked (a run stored before that is not its)
-        headers[ENTRY] = entry
-        headers[PARKED_AT] = handoff.first_parked_at(request) or time.time()
+    old, turn = resend_of(request.headers), turn_of(request.headers)
+    headers = replace(old, token=token or old.token, redelivered=old.redelivered or redelivered,
+                      **{counter: attempt + 1}).header()
+    if MARKED in (request.headers or {}):
+        headers[MARKED] = request.headers[MARKED]
+    if turn.expired:  # an expired turn stays expired
+        headers.update(turn.header())
+    elif entry:  # a turn's claim: its entry, and when it first parked (a run stored before that is not its)
+        headers.update(Turn(parked_at=turn.parked_at or time.time(), entry=entry, why="run").header())
     sig = task.signature_from_request(request, args, kwargs, countdown=delay, retries=request.retries)
     sig.options["headers"] = {**(sig.options.get("headers") or {}), **headers}
     sig.apply_async()
@@ -298,12 +298,13 @@ def _eager_budget(settings: config.LockSettings, request: Any, delay: float, exc
     raise exc
 
 
-def _count(request: Any, header: str) -> int:
-    value = (request.headers or {}).get(header, getattr(request, header, 0))
-    try:
-        return int(value or 0)
-    except (TypeError, ValueError):
-        return 0
+_EAGER = "_singleton_lock_resent_"
+"""An eager run's re-send counters live on its request (it sends nothing)."""
+
+
+def _count(request: Any, counter: str) -> int:
+    """How many times this call was sent again under ``counter`` ("unreachable" or "backoff")."""
+    return int(getattr(request, _EAGER + counter, 0) or getattr(resend_of(request.headers), counter))
 
 
 def _delay(settings: config.LockSettings, attempt: int) -> float:

@@ -42,7 +42,7 @@ from ..signals import lock_acquired, lock_lost
 from ..watchdog.process import get_watchdog
 from . import arrival, coalescing, config, handoff, identity, keys, options, policies, publishing, releasing
 from .decide import Action, Delivery, decide
-from .headers import ENTRY, MARKED, REDELIVERED, TOKEN
+from .headers import MARKED, resend_of, turn_of
 from .headers import PREFIX as HEADER_PREFIX
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -208,10 +208,11 @@ class LockedTask(Task):
         key = self.__dict__["_singleton_lock_keys"](args, kwargs)  # keys.derive, the per-task part done once
         server = self.__dict__.get("_singleton_lock_server") or self.lock_server()
         arrival.first_look(self, request, args, kwargs, settings, server, key)
-        resent = bool(headers.get(REDELIVERED))  # a quorum's re-send of a redelivery: the same copy
+        again = resend_of(headers)
+        resent = again.redelivered  # a quorum's re-send of a redelivery: the same copy
         redelivered = resent or bool((request.delivery_info or {}).get("redelivered"))
-        entry = headers.get(ENTRY) or None
-        retake = headers.get(TOKEN) or ""  # a lost attempt's token: taken back under a new one
+        entry = turn_of(headers).entry
+        retake = again.token  # a lost attempt's token: taken back under a new one
         token = secrets.token_hex(16)
         who: Delivery | None = None
         while True:
@@ -276,7 +277,7 @@ class LockedTask(Task):
         request.__dict__[_REENTERED] = nested
 
     def _run_with(self, lock: Lock, request: Any, settings: config.LockSettings) -> None:
-        entry = (request.headers or {}).get(ENTRY)
+        entry = turn_of(request.headers).entry
         if entry and settings.on_duplicate == "coalesce":  # the calls merged into this waiter: it covers them
             try:  # read first, before the lock is its own: unread, the call is sent again and takes it back
                 coalescing.take(lock.server, request, lock.key)

@@ -27,7 +27,7 @@ from typing import Any
 import click
 
 from ..delivery import handoff
-from ..delivery.headers import PARKED_AT
+from ..delivery.headers import turn_of
 from ..engine import layout, line_ops
 from ..exceptions import LockError
 from .base import Target, audit, fail, locks, open_target, who_am_i
@@ -82,8 +82,7 @@ def _parked_at(message: bytes) -> float | None:
         content_type, _encoding, data = layout.split_message(message)
         if content_type != "application/json":
             return None
-        value = json.loads(data)["options"]["headers"][PARKED_AT]
-        return float(value)
+        return turn_of(json.loads(data)["options"]["headers"]).parked_at
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -14,12 +14,12 @@ import redis
 from celery.signals import task_prerun
 
 from celery_singleton_lock import LockedTask
+from celery_singleton_lock.delivery.headers import described
 
 
 def headers_of(task: Any) -> dict:
     """This delivery's headers of ours, without the prefix (and without parked_at, a time)."""
-    return {k[len("singleton_lock_"):]: v for k, v in (task.request.headers or {}).items()
-            if k.startswith("singleton_lock_") and k != "singleton_lock_parked_at"}
+    return {k: v for k, v in described(task.request.headers).items() if k != "parked_at"}
 
 
 def run_body(journal: redis.Redis, task: Any, key: str, seconds: float, tag: str, gate: str = "") -> dict:

@@ -16,6 +16,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import LockedTask
+from celery_singleton_lock.delivery.headers import described
 from celery_singleton_lock.engine.sweeper import get_sweeper
 
 BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
@@ -106,8 +107,8 @@ def in_slot_long(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
     """As in_slot, waiting up to 5 s in its worker slot (longer than a third of the 5 s TTL): journals
     whether its call was sent again (the header that counts those sends)."""
     result = _run(self, key, seconds, tag)
-    journal.rpush(f"sent-again:{key}", json.dumps({"tag": tag, "sent_again": (self.request.headers or {}).get(
-        "singleton_lock_unreachable")}))
+    journal.rpush(f"sent-again:{key}", json.dumps({"tag": tag, "sent_again": described(
+        self.request.headers).get("unreachable")}))
     return result
 
 
@@ -115,6 +116,6 @@ def in_slot_long(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
 def in_slot(self, key: str, seconds: float = 0.0, tag: str = "") -> dict:
     """A "retry" duplicate first waits up to 1 s in its worker slot: journals whether it came as a turn."""
     result = _run(self, key, seconds, tag)
-    journal.rpush(f"entries:{key}", json.dumps({"tag": tag, "entry": (self.request.headers or {}).get(
-        "singleton_lock_entry"), "kept": sorted(get_sweeper().kept_entries())}))
+    journal.rpush(f"entries:{key}", json.dumps({"tag": tag, "entry": described(
+        self.request.headers).get("entry"), "kept": sorted(get_sweeper().kept_entries())}))
     return result

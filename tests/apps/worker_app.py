@@ -15,6 +15,7 @@ import redis
 from celery import Celery
 
 from celery_singleton_lock import LockedTask
+from celery_singleton_lock.delivery.headers import described
 
 BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
 
@@ -214,7 +215,7 @@ if os.environ.get("CSL_JOURNAL_HANDOFF") == "1":
         headers = headers or {}
         journal.rpush("handoff:publishes", _json.dumps({
             "id": headers.get("id"), "task": sender, "pid": os.getpid(), "at": time.time(),
-            **{k: v for k, v in headers.items() if k.startswith("singleton_lock_")},
+            **{f"singleton_lock_{k}": v for k, v in described(headers).items()},
         }))
 
     @duplicate_skipped.connect(weak=False)
@@ -229,7 +230,7 @@ if os.environ.get("CSL_JOURNAL_HANDOFF") == "1":
 def in_line(self, key: str, seconds: float = 0.0, tag: str = "", gate: bool = False) -> dict:
     """Waits its turn in the key's line; journals start and end under journaled:<key>. With
     ``gate``, holds until the test sets gate:<key>."""
-    _journal_event(key, "start", self, tag=tag, entry=(self.request.headers or {}).get("singleton_lock_entry"))
+    _journal_event(key, "start", self, tag=tag, entry=described(self.request.headers).get("entry"))
     if gate:
         _wait_gate(key)
     deadline = time.monotonic() + seconds

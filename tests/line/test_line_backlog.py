@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -40,6 +41,7 @@ from _task_support import (
 from celery import Celery
 
 from celery_singleton_lock import LockedTask, LockServer, LockWaitTimeout, held
+from celery_singleton_lock.delivery.headers import turn_of
 from celery_singleton_lock.delivery.turns import SUFFIX, TurnsConsumer
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.engine import scripts
@@ -371,8 +373,9 @@ def test_lock_max_wait_counts_from_the_first_park(redis_nodes):
         wait_until(lambda: waiter.state == "WAITING", TIMEOUT, 0.05, "the waiter to park")
         [entry] = n.locks.lrange(key + ":q", 0, -1)
         body = parked_body(n.locks.hget(key + ":w", entry))
-        headers = {**body["options"]["headers"], "singleton_lock_entry": entry.decode(),
-                   "singleton_lock_parked_at": time.time() - 10}
+        turn = turn_of(body["options"]["headers"])
+        headers = {**body["options"]["headers"],
+                   **dataclasses.replace(turn, entry=entry.decode(), why="run", parked_at=time.time() - 10).header()}
         # its copy, as a hand-off would send it, that lost its turn and finds the key held
         n.client.send_task(body["task"], body["args"], body["kwargs"], task_id=waiter.id, headers=headers,
                            queue=n.queue)

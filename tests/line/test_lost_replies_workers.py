@@ -19,7 +19,7 @@ from _clusters import new_key, runs, started, starts, state_of
 from _fault_proxy import sha_of
 from _task_support import assert_no_overlap
 
-from celery_singleton_lock.delivery.headers import ENTRY, PARKED_AT, RECOVERED
+from celery_singleton_lock.delivery.headers import Turn
 from celery_singleton_lock.engine import dedupe, fresh, layout, line_ops, line_scripts, scripts
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.exceptions import LockWaitTimeout
@@ -235,8 +235,9 @@ def test_a_recovered_copy_whose_call_ran_elsewhere_is_dropped_even_if_its_releas
     k, task_id = new_key(), uuid.uuid4().hex
     env.journal.sadd("run-elsewhere", task_id)
     env.proxy.refuse(release, 2)
+    turn = Turn(entry="e-copy", why="recovered", copy="c1", parked_at=time.time() - 5)
     copy = env.inline.apply_async((k, 0.1, "copy"), task_id=task_id, link_error=env.errback_log.s(),
-                                  headers={ENTRY: "e-copy", RECOVERED: "c1", PARKED_AT: time.time() - 5})
+                                  headers=turn.header())
     wait_until(lambda: env.proxy.left(release) == 0, TIMEOUT, what="the copy's release")
     after = env.inline.delay(k, 0.1, "after")
     checked(env, k, release, [after], ["after"])
@@ -257,6 +258,6 @@ def test_a_turn_past_its_max_wait_that_cannot_leave_its_place_fails_once(env):
     waiter = env.inline.apply_async((k, 0.1, "waiter"), link_error=errback)
     parked(env, env.inline, k)
     env.proxy.refuse(leave, 2)
-    env.inline.apply_async((k, 0.1, "waiter"), task_id=waiter.id, link_error=errback,  # (max wait 20 s)
-                           headers={ENTRY: queue.entry_for(waiter.id), PARKED_AT: time.time() - 60})
+    late = Turn(entry=queue.entry_for(waiter.id), why="run", parked_at=time.time() - 60)  # (max wait 20 s)
+    env.inline.apply_async((k, 0.1, "waiter"), task_id=waiter.id, link_error=errback, headers=late.header())
     checked(env, k, leave, [holder, waiter], ["holder"], failed=[waiter])

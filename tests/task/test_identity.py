@@ -31,6 +31,7 @@ from celery.signals import before_task_publish, task_prerun
 
 from celery_singleton_lock import LockError, LockServer, SelfDeadlock, held
 from celery_singleton_lock.delivery import config as csl_config
+from celery_singleton_lock.delivery.headers import described
 from celery_singleton_lock.engine.addresses import redact_url
 from celery_singleton_lock.engine.lock import Lock
 from celery_singleton_lock.testing.servers import Monitor, RedisServer, wait_until
@@ -470,7 +471,8 @@ def test_slow_lost_lock_receiver_does_not_cost_a_healthy_lock(fresh_redis):
 
 
 class Published:
-    """The headers of every message our app publishes (before_task_publish), per task id."""
+    """The headers of every message our app publishes (before_task_publish), per task id; ours flattened
+    by field (``singleton_lock_backoff``, ``singleton_lock_token``, ...), see :func:`ours`."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -487,7 +489,7 @@ class Published:
     def _on_publish(self, sender=None, headers=None, **_):
         if isinstance(sender, str) and sender.startswith(self.prefix) and headers:
             with self._lock:
-                self.sent.append(dict(headers))
+                self.sent.append({**headers, **ours(headers)})
 
     def of(self, task_id: str) -> list[dict]:
         with self._lock:
@@ -495,7 +497,7 @@ class Published:
 
 
 def ours(headers: dict) -> dict:
-    return {k: v for k, v in (headers or {}).items() if str(k).startswith("singleton_lock_")}
+    return {f"singleton_lock_{k}": v for k, v in described(headers).items()}  # (one flat dict, by field)
 
 
 # -- a counter per budget: our back-off re-sends, the task's own retries -------------------------
@@ -546,7 +548,7 @@ def test_own_retry_after_backoff_resends_starts_afresh_and_counters_are_separate
     assert all(h.get("singleton_lock_unreachable") == 49 for h in resends)  # carried, never counted up
     retry = [h for h in sends if h.get("retries") == 1]
     assert len(retry) == 1, sends
-    assert ours(retry[0]) == {}, f"the task's own retry carries lock headers: {ours(retry[0])}"
+    assert not [h for h in retry[0] if h.startswith("singleton_lock_")], f"the retry carries lock headers: {retry[0]}"
     dup_runs = runs.of(k, dup.id)
     assert [(r.info["mode"], r.info["retries"]) for r in dup_runs] == [("retry-once", 0), ("retry-once", 1)]
     first, retried = dup_runs
@@ -782,7 +784,7 @@ def test_after_a_data_loss_a_recovered_copy_counts_only_another_deliverys_start_
 
     from celery_singleton_lock import LockedTask
     from celery_singleton_lock.delivery import identity
-    from celery_singleton_lock.delivery.headers import ENTRY, PARKED_AT, RECOVERED
+    from celery_singleton_lock.delivery.headers import Turn
 
     @app.task(base=LockedTask, bind=True)
     def waiting(self):
@@ -793,13 +795,14 @@ def test_after_a_data_loss_a_recovered_copy_counts_only_another_deliverys_start_
     def request(headers, redelivered=False):
         return Context(id=task_id, headers=headers, delivery_info={"redelivered": redelivered}, is_eager=False)
 
-    recovered = {ENTRY: entry, RECOVERED: "c1", PARKED_AT: str(time.time() - 5)}
+    recovered = Turn(entry=entry, why="recovered", copy="c1", parked_at=time.time() - 5).header()
     assert not identity.ran_since_park(waiting, request(recovered))  # nothing stored yet
     identity.mark_started(waiting, request(recovered), False)  # the recovered copy starts, then dies
     assert not identity.ran_since_park(waiting, request(recovered, redelivered=True))  # its own start
-    assert identity.ran_since_park(waiting, request({**recovered, RECOVERED: "c2"}, redelivered=True))  # another's
+    another = Turn(entry=entry, why="recovered", copy="c2", parked_at=time.time() - 5).header()
+    assert identity.ran_since_park(waiting, request(another, redelivered=True))  # another's
 
-    identity.mark_started(waiting, request({ENTRY: entry}), False)  # the entry's turn starts (a long body)
+    identity.mark_started(waiting, request(Turn(entry=entry, why="run").header()), False)  # its turn starts (long)
     assert identity.ran_since_park(waiting, request(recovered, redelivered=True))  # a run, whoever asks
     # once a copy holds the key it asks again (the other's whole run may fit between its look and its acquire)
     assert identity.other_copy_ran(waiting, request(recovered))
@@ -815,14 +818,15 @@ def test_a_final_state_counts_as_the_parked_calls_run_whatever_the_hosts_clocks_
 
     from celery_singleton_lock import LockedTask
     from celery_singleton_lock.delivery import identity
-    from celery_singleton_lock.delivery.headers import ENTRY, PARKED_AT, RECOVERED
+    from celery_singleton_lock.delivery.headers import Turn
 
     @app.task(base=LockedTask, bind=True)
     def waiting(self):
         return None
 
     task_id = uuid.uuid4().hex
-    copy = Context(id=task_id, headers={ENTRY: "e1", RECOVERED: "c1", PARKED_AT: str(time.time() + 3600)},
+    ahead = Turn(entry="e1", why="recovered", copy="c1", parked_at=time.time() + 3600)  # (a host clock an hour ahead)
+    copy = Context(id=task_id, headers=ahead.header(),
                    delivery_info={"redelivered": False}, is_eager=False)
     assert not identity.ran_since_park(waiting, copy)  # nothing stored yet
     waiting.backend.store_result(task_id, {"key": "k", "entry": "e1"}, "WAITING", request=copy)
