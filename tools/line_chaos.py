@@ -142,12 +142,12 @@ def drive(args: argparse.Namespace, rng: random.Random, faults: list[str], app, 
     fault (``fault(kind)``) every ``args.fault_every`` seconds on average; how many calls were sent."""
     started = time.monotonic()
     next_fault = started + rng.expovariate(1 / args.fault_every)
-    per_tick = max(1, int(args.orders / max(1.0, args.seconds / 0.05)))
     sent = 0
     while time.monotonic() - started < args.seconds or sent < args.orders:
-        if sent < args.orders:
-            for _ in range(per_tick):
-                sent += publish(app, results, rng, sent, f"sku{rng.randrange(args.skus)}")
+        # paced over the whole run, so that every fault meets traffic (not all of it in the first seconds)
+        due = args.orders * min(1.0, (time.monotonic() - started) / args.seconds)
+        while sent < due:
+            sent += publish(app, results, rng, sent, f"sku{rng.randrange(args.skus)}")
         if "backlog" in faults and bclient.llen("celery") < 400:
             for _ in range(200):
                 app.filler.delay(rng.choice((5, 10, 20)))
