@@ -189,13 +189,13 @@ def inject(kind: str, workers: list[WorkerProcess], locks: RedisServer, proxy: F
     if kind == "lost":
         name = rng.choice(sorted(LINE_SCRIPTS))
         sha = sha_of(LINE_SCRIPTS[name])
-        print(f"[chaos] the next reply of {name} ({sha[:8].decode()}) is lost", flush=True)
+        say(f"the next reply of {name} ({sha[:8].decode()}) is lost")
         proxy.arm(sha, 1)
     elif kind == "reset":
-        print("[chaos] connections to the lock Redis reset, refused for 0.5 s", flush=True)
+        say("connections to the lock Redis reset, refused for 0.5 s")
         proxy.blackout(0.5)
     elif kind == "stop":
-        print(f"[chaos] the lock Redis SIGSTOPped for {ttl + 0.5:g} s", flush=True)
+        say(f"the lock Redis SIGSTOPped for {ttl + 0.5:g} s")
         losses.append(Loss(time.time(), False))
         locks.pause()
         time.sleep(ttl + 0.5)  # (the fault itself: the server stays frozen past the lock TTL)
@@ -206,24 +206,30 @@ def inject(kind: str, workers: list[WorkerProcess], locks: RedisServer, proxy: F
         kids = w.children()
         if kids:
             pid = rng.choice(kids)
-            print(f"[chaos] SIGKILL child {pid}", flush=True)
+            say(f"SIGKILL child {pid}")
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     elif kind == "flush":
-        print("[chaos] FLUSHALL of the lock Redis", flush=True)
+        say("FLUSHALL of the lock Redis")
         losses.append(Loss(time.time(), True))
         locks.client().flushall()
     elif kind == "restart":
         at = time.time()
         kept = restart_keeping_data(locks)
-        print(f"[chaos] lock Redis restarted with its data ({kept} keys kept, down {time.time() - at:.2f} s)",
-              flush=True)
+        say(f"lock Redis restarted with its data ({kept} keys kept, down {time.time() - at:.2f} s)", at)
     elif kind == "restart-empty":
-        print("[chaos] lock Redis restarted empty", flush=True)
+        say("lock Redis restarted empty")
         losses.append(Loss(time.time(), True))
         locks.restart()
+
+
+def say(what: str, at: float | None = None) -> None:
+    """A fault, with the wall-clock time it began (the worker logs' clock: to find what it met there)."""
+    at = time.time() if at is None else at
+    stamp = time.strftime("%H:%M:%S", time.localtime(at)) + f".{int(at % 1 * 1000):03d}"
+    print(f"[chaos] {stamp} {what}", flush=True)
 
 
 def restart_keeping_data(server: RedisServer) -> int:
