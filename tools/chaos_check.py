@@ -13,8 +13,10 @@ What must hold, per kind of call:
 * ``refresh`` (coalesce): SUCCESS, with the result ``[run, order]`` of the run that covered it. Either
   it ran itself (``run`` is its id, its body ran once, and ``order`` is its own or that of a call
   merged into it), or it was merged (its body never ran; ``run`` is another refresh of ours that
-  ended SUCCESS with the very same result, whose body ran once and STARTED AFTER this call was
-  published: a run that began before a call existed cannot have covered it). The one excuse: a
+  ended SUCCESS with the very same result, whose body ran once, with the arguments of a call merged
+  into it ("latest wins"), and STARTED AFTER this call was published: a run that began before a
+  call existed cannot have covered it). A run that used another call's arguments must have covered
+  that call (else that call's work ran twice, or not as itself). The one excuse: a
   call still WAITING, merged into a waiter, when the lock Redis lost its data after the call was
   published and before that waiter's body started (merged calls live in the lock Redis and are
   lost with it: docs/how-to/dedupe.md, "Limits"); those are counted apart, never hidden;
@@ -172,6 +174,8 @@ class Checker:
         if cover.result.state != "SUCCESS" or cover.result.result != value:
             self._fail(order, f"coalesced into {run}, which ended {cover.result.state} ({cover.result.result!r})")
         self._ran_once(order, run)
+        if value[1] == run:  # "latest wins": a run that covers merged calls runs with the latest one's arguments
+            self._fail(order, f"coalesced into {run}, which ran with its own arguments, not a merged call's")
         span = self.history.ran.get(run)
         if span is not None and span[0] <= call.published:
             self._fail(order, f"coalesced into {run}, whose body started at {span[0]:.3f}, before this call "
