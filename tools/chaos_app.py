@@ -1,5 +1,6 @@
-"""The app that tools/line_chaos.py's workers run: an inventory deduction that waits in line, and a
-read that a running one makes pointless (skipped).
+"""The app that tools/line_chaos.py's workers run: an inventory deduction that waits in line, a
+read that a running one makes pointless (skipped), a refresh whose duplicates coalesce into one
+follow-up run, and a restock whose duplicate publishes join the call already published.
 
 Broker and results on one private Redis (``CSL_CHAOS_BROKER``, dbs 0 and 1), the lock on
 ANOTHER private Redis (``CSL_CHAOS_LOCK``) so that the chaos can flush or restart the lock
@@ -63,6 +64,31 @@ def peek(self, sku: str, order: str, body_ms: int = 20) -> str:
     journal.rpush(f"end:{sku}:peek", f"{order} {time.time()} {os.getpid()}")
     journal.hincrby("done", order, 1)
     return order
+
+
+def _journalled(task, kind: str, sku: str, order: str, body_ms: int) -> list[str]:
+    """A body journalled under its task id, not its ``order``: a coalescing run runs with the arguments
+    of the latest call merged into it, so ``order`` may be another call's. Returns [its task id, the
+    order it ran with], which is also the result of every call it covered."""
+    run = task.request.id
+    journal.rpush(f"start:{sku}:{kind}", f"{run} {time.time()} {os.getpid()} {fence_of(task)}")
+    time.sleep(body_ms / 1000 * random.uniform(0.5, 1.5))
+    journal.rpush(f"end:{sku}:{kind}", f"{run} {time.time()} {os.getpid()}")
+    journal.hincrby("done", run, 1)
+    return [run, order]
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["sku"], on_duplicate="coalesce")
+def refresh(self, sku: str, order: str, body_ms: int = 40) -> list[str]:
+    """Refresh work: duplicates that come while one waits merge into it, and share its result."""
+    return _journalled(self, "refresh", sku, order, body_ms)
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["sku"], on_duplicate="retry", lock_publish="join")
+def restock(self, sku: str, order: str, body_ms: int = 40) -> list[str]:
+    """Published with ``delay()``: a publish while the SKU has a call queued, waiting or running
+    returns that call's AsyncResult (its task id is not ours to choose)."""
+    return _journalled(self, "restock", sku, order, body_ms)
 
 
 @app.task

@@ -1,8 +1,10 @@
 """The robustness run, seeded, in CI: a minute of random traffic on three hot keys through two real
-worker nodes, with random faults (a lost reply at a random script of the line, a connection reset,
-the lock Redis stopped past the TTL or restarted empty, a worker child killed and its message
-redelivered), then the whole history checked: every call ended once, in its final state, no body of
-a key overlapped another outside a reported loss, and none ran twice (tools/line_chaos.py).
+worker nodes, with retry, skip, coalesce and publish-join calls, and random faults (a lost reply at
+a random script of the line, a connection reset, the lock Redis stopped past the TTL, flushed,
+restarted with its data or empty, a worker child killed and its message redelivered), then the
+whole history checked: every call ended once, in its final state (coalesced and joined calls with
+the run that covered them), no body of a key overlapped another outside a reported loss, and none
+ran twice (tools/line_chaos.py, tools/chaos_check.py).
 ``python3 dev.py robustness --minutes N --seed S`` runs it longer."""
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_seeded_minute_of_random_traffic_and_faults_keeps_every_guarantee(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "line_chaos.py"), "--seconds", "60", "--orders", "300",
-         "--seed", "7", "--fault-every", "4", "--faults", "lost,reset,stop,kill,restart,flush"],
+         "--seed", "7", "--fault-every", "4", "--faults", "lost,reset,stop,kill,restart,restart-empty,flush"],
         cwd=ROOT, capture_output=True, text=True, timeout=400, env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     report = [line for line in out.stdout.splitlines() if line.startswith("[chaos]")]
