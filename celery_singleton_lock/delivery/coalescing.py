@@ -74,11 +74,12 @@ def settle(task: Any, request: Any, state: str | None, value: Any = None, exc: B
     server, key, owner, taken = merged
     try:  # read again: a call revoked while this ran has left them
         calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
-        if not calls:  # none left: all revoked, or their records ran out under a long run
-            calls = [call for call in taken if not _revoked(task, call)]
-    except LockError as exc:
-        logger.warning("lock %s: the merged calls of %s could not be read (%s); they are sent again", key, owner, exc)
-        calls, state = merged[3], None
+    except LockError as exc:  # the run covered the calls it took at its start: those are settled
+        logger.warning("lock %s: the merged calls of %s could not be read again (%s); those taken at its start "
+                       "are settled", key, owner, exc)
+        calls = []
+    if not calls:  # none left: all revoked, or their records ran out under a long run (or unread)
+        calls = [call for call in taken if not _revoked(task, call)]
     resend: list[dict[str, Any]] = []
     for call in calls:
         try:

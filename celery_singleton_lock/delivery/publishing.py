@@ -27,6 +27,7 @@ import logging
 from typing import Any
 
 from celery.signals import task_revoked
+from celery.states import READY_STATES
 from celery.utils import uuid
 
 from ..engine import dedupe
@@ -61,6 +62,9 @@ def publish(task: Any, args: Any, kwargs: Any, options: dict[str, Any], send: An
     options["headers"] = {**(options.get("headers") or {}), MARKED: "1"}
     try:
         found = dedupe.mark(server, key, task_id, ms(settings.publish_ttl))
+        if found is not None and found.state == "queued" and _ended(task, found.task_id):
+            _forget(server, key, found.task_id)  # a mark its delivery could not delete: it names no call
+            found = dedupe.mark(server, key, task_id, ms(settings.publish_ttl))
     except LockBackendUnavailable as exc:  # the execution lock still applies: publish, unchecked
         logger.warning("task %s: lock_publish could not check lock %s (%s); published unchecked", task.name,
                        key, exc)
@@ -95,6 +99,17 @@ def queued_again(task: Any, request: Any, key: str, server: Any) -> None:
         dedupe.remark(server, key, request.id, ms(task.lock_settings().publish_ttl))
     except LockError as exc:
         logger.warning("lock %s: could not mark task %s again: %s", key, request.id, exc)
+
+
+def _ended(task: Any, task_id: str) -> bool:
+    """Has the marked call ended (a final state stored)? Asked only before joining a queued call: its
+    delivery deletes the mark as it starts, and one that could not reach the lock Redis then leaves a
+    mark naming a finished call, which every publish would join until the mark expires. Without a
+    result backend: False (joined, as before)."""
+    try:
+        return task.AsyncResult(task_id).state in READY_STATES
+    except Exception:  # (no result backend, or it did not answer)
+        return False
 
 
 def _forget(server: LockServer, key: str, task_id: str) -> None:

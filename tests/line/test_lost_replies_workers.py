@@ -196,11 +196,17 @@ def test_a_revoked_waiter_whose_removal_replies_are_lost_ends_revoked(env):
     checked(env, k, remove, [holder, after], ["holder", "after"])
 
 
-def test_a_coalescing_run_that_ends_unsettled_sends_its_merged_call_again_even_if_forgetting_them_fails(env):
-    """A coalescing waiter's run ends with Ignore (neither success nor failure), so the call merged into
-    it is sent again, as it was; forgetting the merged calls meets a dead connection twice (and their
-    read before it too). The re-sent call used to find its old record ("merged into" the finished run),
-    and stayed WAITING for ever. Forgetting them is tried again: the re-sent call runs (or is covered)."""
+@pytest.mark.parametrize("ending", ["ignored", "succeeded"])
+def test_a_coalescing_run_whose_merged_calls_cannot_be_read_again_settles_or_sends_each_once(env, ending):
+    """A coalescing waiter's run covers a call merged into it; when the run ends, reading the merged
+    calls again meets a dead connection twice, and forgetting them twice too. The run ends:
+
+    * ``succeeded``: the merged call is settled with the run's value. It used to be sent again as if
+      not covered: it then found its old record ("merged into" the finished run) and waited for
+      ever, or ran a second time;
+    * ``ignored`` (neither success nor failure): the merged call is sent again, as it was. It used to
+      find its old record and wait for ever; forgetting the records is now tried again first.
+    """
     task = env.merging_ignored
     k = new_key()
     holder = task.delay(k, 1.0, "holder")
@@ -210,19 +216,42 @@ def test_a_coalescing_run_that_ends_unsettled_sends_its_merged_call_again_even_i
     merged = task.delay(k, 0.1, "merged")
     wait_until(lambda: (task.backend.get_task_meta(merged.id, cache=False)["result"] or {}).get("merged_into")
                == waiter.id, TIMEOUT, what="the call to merge")
-    env.journal.sadd("ignore-run", waiter.id)
+    if ending == "ignored":
+        env.journal.sadd("ignore-run", waiter.id)
     wait_until(lambda: any(s["id"] == waiter.id for s in starts(env, k)), TIMEOUT, what="the waiter's run")
     # the waiter's merged-call records name it: settling reads them (twice), then forgets them (twice)
     take = layout.merged(task.lock_key_for((k,), {}), waiter.id)[0].encode()
     env.proxy.refuse(take, 4)
-    later = task.delay(k, 1.0, "later")  # parks: the key is held when the merged call comes again
+    later = task.delay(k, 1.0, "later")  # parks: the key is held when a call comes again
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
-    assert merged.get(timeout=TIMEOUT)["tag"] in ("merged", "later")  # its own run, or later's covering one
+    if ending == "succeeded":
+        assert merged.get(timeout=TIMEOUT) == waiter.get(timeout=TIMEOUT)  # covered by the one run
+    else:
+        assert merged.get(timeout=TIMEOUT)["tag"] in ("merged", "later")  # its own run, or later's covering one
     later.get(timeout=TIMEOUT)
     assert env.proxy.left(take) == 0, "the reads were not refused: the test did not run its fault"
+    time.sleep(QUIET)
     done = runs(env, k)
     assert sum(r["id"] == waiter.id for r in done) == 1, done
+    if ending == "succeeded":
+        assert not [r for r in done if r["id"] == merged.id], done  # covered: never run itself
     assert_no_overlap([(r["start"], r["end"]) for r in done])
+
+
+def test_a_publish_mark_its_call_could_not_delete_is_not_joined_once_the_call_ended(env):
+    """``lock_publish="join"``: a call's delivery could not delete its key's publish mark (the delete
+    met a dead connection twice), and the call ran and ended. A later publish used to find the mark
+    and join that finished call (for ``lock_publish_ttl``, 600 s): its own work never ran. The result
+    backend says the marked call ended: the later publish deletes the mark and is a call of its own."""
+    unmark = sha_of(dedupe.UNMARK)
+    k = new_key()
+    env.proxy.refuse(unmark, 2)
+    first = env.joining.delay(k, 0.1, "first")
+    first.get(timeout=TIMEOUT)
+    assert env.proxy.left(unmark) == 0, "the mark's delete was not refused: the test did not run its fault"
+    later = env.joining.delay(k, 0.1, "later")
+    assert later.id != first.id, "a publish joined a call that had ended"
+    checked(env, k, unmark, [first, later], ["first", "later"])
 
 
 def test_a_recovered_copy_whose_call_ran_elsewhere_is_dropped_even_if_its_release_fails(env):
