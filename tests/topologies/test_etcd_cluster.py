@@ -15,7 +15,7 @@ import time
 import uuid
 
 import pytest
-from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd, wait_healthy
+from _etcd_servers import running_etcd, wait_healthy
 from _task_support import assert_no_overlap, load_worker_app, start_worker_process
 
 from celery_singleton_lock.engine import line as lines
@@ -28,15 +28,8 @@ pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(300)]
 
 @pytest.fixture
 def cluster():
-    if find_etcd() is None:
-        pytest.skip(NO_ETCD)
-    started = EtcdCluster(members=3).start()
-    try:
+    with running_etcd(members=3) as started:
         yield started
-    finally:
-        for member in started.members:
-            member.resume()  # never leave a paused process behind
-        started.stop()
 
 
 def test_real_workers_on_three_members_through_a_leader_kill_and_a_pause(cluster, redis_server, tmp_path):

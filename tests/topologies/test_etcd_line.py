@@ -13,7 +13,7 @@ import time
 import uuid
 
 import pytest
-from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd
+from _etcd_servers import running_etcd
 
 from celery_singleton_lock.engine import layout
 from celery_singleton_lock.engine import line as lines
@@ -32,11 +32,8 @@ MESSAGE = b"application/json\nutf-8\n{}"
 def own_etcd():
     """A member of this module's own: no other test's sweeper (they sweep every line of their etcd)
     hands these lines on."""
-    if find_etcd() is None:
-        pytest.skip(NO_ETCD)
-    cluster = EtcdCluster(members=1).start()
-    yield cluster
-    cluster.stop()
+    with running_etcd(members=1) as cluster:
+        yield cluster
 
 
 @pytest.fixture
