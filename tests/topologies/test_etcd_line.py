@@ -121,7 +121,9 @@ def test_the_sweeper_moves_a_line_whose_holder_died_and_times_out_a_waiter_past_
     [session] = other.sessions()
     session.revoke(other.transport)  # the holder's process died: its lease, and the lock, are gone
     assert server.holder(name) is None
-    time.sleep(0.25)  # past "hasty"'s deadline (a clock the waiter carries)
+    # until "hasty"'s deadline has passed (a clock the waiter carries: this host's, ms), as read from its record
+    [deadline_ms] = [w.record.deadline_ms for w in server.waiting.records(name)[0] if w.record.owner == "hasty"]
+    wait_until(lambda: time.time() * 1000 > deadline_ms, 5, 0.01, '"hasty"\'s deadline to pass')
     made = server.waiting.sweep_all(lambda key: True)
     assert made == 1
     assert sorted((h.what, h.owner_id) for h in server.sent) == [("expired", "hasty"), ("run", "patient")]
