@@ -10,10 +10,14 @@ stopped by PID, never by name, like the redis-servers of :mod:`.servers`.
     cluster.kill(member); cluster.restart(member)   # SIGKILL, then the same ports and data
     member.pause(); member.resume()                 # SIGSTOP / SIGCONT
     cluster.stop()
+
+    with running_etcd(members=3) as cluster:   # a fixture's: skipped where no etcd exists
+        ...
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,6 +26,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from celery_singleton_lock.testing.servers import free_port, wait_until
@@ -190,6 +195,23 @@ class EtcdCluster:
         for member in self.members:
             member.kill()
             shutil.rmtree(member.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_etcd(members: int = 1) -> Iterator[EtcdCluster]:
+    """A private etcd of ``members`` members, started here and stopped after (any member paused by the
+    test resumed first); the calling test is skipped, with :data:`NO_ETCD`, where no etcd binary exists."""
+    import pytest
+
+    if find_etcd() is None:
+        pytest.skip(NO_ETCD)
+    cluster = EtcdCluster(members=members).start()
+    try:
+        yield cluster
+    finally:
+        for member in cluster.members:
+            member.resume()  # never leave a paused process behind
+        cluster.stop()
 
 
 def wait_healthy(cluster: EtcdCluster, timeout: float = 20.0) -> None:

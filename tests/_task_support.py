@@ -3,7 +3,8 @@
 * ``TaskEvents``: the shipped ``LockEvents`` for one app's tasks, plus Celery's task_postrun.
 * ``Gates``: named threading.Events that task bodies wait on, so a test decides when a
   holder ends instead of sleeping.
-* ``Runs``: the execution intervals of in-process task bodies.
+* ``Runs``: the execution intervals of in-process task bodies (``Runs.gated``: the common body).
+* ``in_process_worker(app, gates)``: the one in-process worker a module's ``env`` runs for its app.
 * ``locked(app, **opts)``: ``app.task(base=LockedTask, bind=True, shared=False, ...)``;
   ``shared=False`` matters: a shared task is added to every app finalized later in the
   session, and an earlier test's function would then win over a same-named later one.
@@ -13,6 +14,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import json
 import os
@@ -21,6 +24,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,10 +120,10 @@ class Runs:
             run.end = time.time()
             self._cond.notify_all()
 
-    def gated(self, key: str, task_id: str, tag: str, gates: Gates, fail: str = "") -> str:
-        """The common test body: recorded from start to end; the ``"holder"`` waits on its key's gate
-        first (the test decides when it ends); ``fail``: the tag that raises RuntimeError instead."""
-        run = self.begin(key, task_id, tag=tag)
+    def gated(self, key: str, task_id: str, tag: str, gates: Gates, fail: str = "", **info: Any) -> str:
+        """The common test body: recorded from start to end (with ``info``); the ``"holder"`` waits on its
+        key's gate first (the test decides when it ends); ``fail``: the tag that raises RuntimeError instead."""
+        run = self.begin(key, task_id, tag=tag, **info)
         try:
             if tag == "holder":
                 gates.wait(key)
@@ -144,6 +148,22 @@ def assert_no_overlap(intervals: list[tuple[float, float]], what: str = "runs") 
     ordered = sorted(intervals)
     for (s1, e1), (s2, e2) in zip(ordered, ordered[1:], strict=False):
         assert e1 <= s2, f"{what} overlap: [{s1}, {e1}] and [{s2}, {e2}]"
+
+
+@contextlib.contextmanager
+def in_process_worker(app, gates: Gates, pool: str = "threads", concurrency: int = 4) -> Iterator[None]:
+    """A module's in-process worker for ``app`` (celery.contrib.testing's): every gate opened before it
+    stops (no body holds its shutdown up), and the garbage collected after, while the servers run
+    (AsyncResult.__del__ unsubscribes)."""
+    from celery.contrib.testing.worker import start_worker
+
+    with start_worker(app, pool=pool, concurrency=concurrency, perform_ping_check=False, loglevel="WARNING",
+                      shutdown_timeout=30):
+        try:
+            yield
+        finally:
+            gates.open_all()
+    gc.collect()
 
 
 # -- real redeliveries ------------------------------------------------------------------------

@@ -4,6 +4,9 @@ tests/topologies/test_sentinel.py and test_cluster.py call :func:`check_contract
 broker and results live on a plain private redis-server and whose ``singleton_lock_url`` is the
 Sentinel or Cluster deployment: exclusion, skip / retry / raise, the exit paths, renewal past the
 TTL and lost-lock detection, on one worker (its start-up is paid once).
+
+The fault runs through real workers (test_quorum.py, test_etcd_cluster.py) check their traffic with
+:func:`every_call_ends`, :func:`every_call_succeeded` and :func:`each_body_once`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 import uuid
 
 import pytest
+from _line_support import events
 from _task_support import TIMEOUT, Gates, Runs, assert_no_overlap, locked
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import TaskRevokedError
@@ -20,6 +24,37 @@ from celery.exceptions import TaskRevokedError
 from celery_singleton_lock import DuplicateTask
 from celery_singleton_lock.signals import lock_lost
 from celery_singleton_lock.testing.servers import wait_until
+
+
+def every_call_ends(calls: list, faults: object, timeout: float = 120) -> None:
+    """Wait until every call has ended (SUCCESS, FAILURE or REVOKED); fail naming the first that did not,
+    and ``faults`` (what the test did to the servers)."""
+    try:
+        wait_until(lambda: all(c.state in ("SUCCESS", "FAILURE", "REVOKED") for c in calls), timeout, 0.2,
+                   "every call to end")
+    except TimeoutError:
+        raise AssertionError(f"not ended: {[(c.id, c.state) for c in calls if not c.ready()][:10]}; "
+                             f"faults: {faults}") from None
+
+
+def every_call_succeeded(calls: list) -> None:
+    assert [c.state for c in calls].count("SUCCESS") == len(calls), \
+        [(c.id, c.state, c.result) for c in calls if c.state != "SUCCESS"][:10]
+
+
+def each_body_once(wa, k: str) -> tuple[list[dict], dict[str, dict]]:
+    """Of the bodies of ``k`` that apps/worker_app.py's workers journaled: none ran twice, each that
+    started ended, no two overlapped, and their fencing tokens rise in the order they started.
+    (Their starts; their ends, by task id.)"""
+    journaled = events(wa, k)
+    starts = [e for e in journaled if e["event"] == "start"]
+    ends = {e["id"]: e for e in journaled if e["event"] == "end"}
+    assert len({e["id"] for e in starts}) == len(starts), f"{k}: a body ran twice"
+    assert set(ends) == {e["id"] for e in starts}, f"{k}: every body that started ended"
+    assert_no_overlap([(e["at"], ends[e["id"]]["at"]) for e in starts], f"bodies of {k}")
+    fences = [e["fence"] for e in sorted(starts, key=lambda e: e["at"])]
+    assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), f"{k}: fencing tokens rise: {fences}"
+    return starts, ends
 
 
 def check_contract(app) -> None:

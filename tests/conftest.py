@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from _apps import ROOT, make_app, server_binaries
 from _backends import BACKENDS, LockBackendUnderTest, backend_of, lock_store
-from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd
+from _etcd_servers import EtcdCluster, find_etcd, running_etcd
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
@@ -48,13 +48,8 @@ def any_redis(request) -> Iterator[RedisServer]:
 def etcd_server() -> Iterator[EtcdCluster]:
     """One private etcd member for the session (the etcd backend's contract tests); skipped, with the
     same one line for every test, where no etcd binary exists."""
-    if find_etcd() is None:
-        pytest.skip(NO_ETCD)
-    cluster = EtcdCluster(members=1).start()
-    try:
+    with running_etcd(members=1) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(params=BACKENDS)

@@ -1,7 +1,8 @@
-"""What tests/apps/slot_faults_app.py and slot_failover_app.py share: the journal their bodies write
-(db 3 of CSL_REDIS_URL_BASE), so the tests count runs per call and check that no two bodies of one key
-overlapped. Each body journals its start and end (id, tag, pid, fence, our headers); every delivery of
-a locked task is journaled too, before its lock is tried (:func:`journal_deliveries`)."""
+"""What tests/apps/slot_faults_app.py and slot_failover_app.py share: their app's settings
+(:func:`slot_app`), and the journal their bodies write (db 3 of CSL_REDIS_URL_BASE), so the tests count
+runs per call and check that no two bodies of one key overlapped. Each body journals its start and end
+(id, tag, pid, fence, our headers); every delivery of a locked task is journaled too, before its lock is
+tried (:func:`journal_deliveries`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from typing import Any
 
 import redis
+from celery import Celery
 from celery.signals import task_prerun
 
 from celery_singleton_lock import LockedTask
@@ -55,3 +57,24 @@ def journal_deliveries(journal: redis.Redis) -> None:
                                                       "pid": os.getpid(), "headers": headers_of(task)}))
 
     task_prerun.connect(journal_delivery, weak=False)
+
+
+def slot_app(name: str, **conf: Any) -> tuple[Celery, redis.Redis]:
+    """The app ``name`` and its journal. Broker (db 0), results (db 1) and the journal (db 3) on
+    CSL_REDIS_URL_BASE; the locks at CSL_LOCK_URL (db 2 of that server unless set); one message
+    prefetched at a time, results kept, kombu restoring unacked messages every second; ``conf`` on top
+    (the lock TTL and back-offs). Every delivery of a locked task is journaled."""
+    base = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
+    app = Celery(name, broker=f"{base}/0", backend=f"{base}/1")
+    app.conf.update(
+        singleton_lock_url=os.environ.get("CSL_LOCK_URL", f"{base}/2"),
+        singleton_lock_retry_backoff_max=1.0,
+        worker_prefetch_multiplier=1,
+        result_expires=None,
+        broker_transport_options={"unacked_restore_interval": 1, "unacked_restore_throttle": 1,
+                                  "visibility_timeout": 3600},
+        **conf,
+    )
+    journal = redis.Redis.from_url(f"{base}/3")
+    journal_deliveries(journal)
+    return app, journal

@@ -12,35 +12,16 @@ from __future__ import annotations
 
 import os
 
-import redis
-from celery import Celery
-
-from apps._slot_journal import journal_deliveries, run_body
+from apps._slot_journal import run_body, slot_app
 from celery_singleton_lock import LockedTask
 
-BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
-LOCK_URL = os.environ.get("CSL_LOCK_URL", f"{BASE}/2")
-
-app = Celery("slot_failover_app", broker=f"{BASE}/0", backend=f"{BASE}/1")
-app.conf.update(
-    singleton_lock_url=LOCK_URL,
-    singleton_lock_ttl=6.0,
-    singleton_lock_retry_backoff=0.3,
-    singleton_lock_retry_backoff_max=1.0,
-    singleton_lock_max_retries=40,
-    worker_prefetch_multiplier=1,
-    result_expires=None,
-    broker_transport_options={"unacked_restore_interval": 1, "unacked_restore_throttle": 1,
-                              "visibility_timeout": 3600},
-)
-if LOCK_URL.startswith("sentinel://"):
+app, journal = slot_app("slot_failover_app", singleton_lock_ttl=6.0, singleton_lock_retry_backoff=0.3,
+                        singleton_lock_max_retries=40)
+if app.conf.singleton_lock_url.startswith("sentinel://"):
     app.conf.singleton_lock_transport_options = {"master_name": os.environ.get("CSL_MASTER_NAME", "mymaster")}
 if os.environ.get("CSL_MIN_REPLICAS"):
     app.conf.singleton_lock_min_replicas = int(os.environ["CSL_MIN_REPLICAS"])
     app.conf.singleton_lock_replica_timeout = 0.5
-
-journal = redis.Redis.from_url(f"{BASE}/3")
-journal_deliveries(journal)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=5.0)

@@ -22,31 +22,13 @@ import signal
 import time
 from typing import Any
 
-import redis
-from celery import Celery
 from celery.exceptions import Ignore
 
-from apps._slot_journal import journal_deliveries, run_body
+from apps._slot_journal import run_body, slot_app
 from celery_singleton_lock import LockedTask
 from celery_singleton_lock.delivery import identity, policies
 
-BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
-LOCK_URL = os.environ.get("CSL_LOCK_URL", f"{BASE}/2")
-
-app = Celery("slot_faults_app", broker=f"{BASE}/0", backend=f"{BASE}/1")
-app.conf.update(
-    singleton_lock_url=LOCK_URL,
-    singleton_lock_ttl=3.0,
-    singleton_lock_retry_backoff=0.2,
-    singleton_lock_retry_backoff_max=1.0,
-    worker_prefetch_multiplier=1,
-    result_expires=None,
-    broker_transport_options={"unacked_restore_interval": 1, "unacked_restore_throttle": 1,
-                              "visibility_timeout": 3600},
-)
-
-journal = redis.Redis.from_url(f"{BASE}/3")
-journal_deliveries(journal)
+app, journal = slot_app("slot_faults_app", singleton_lock_ttl=3.0, singleton_lock_retry_backoff=0.2)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_wait_in_slot=1.0)

@@ -174,24 +174,33 @@ def _wait_gate(key: str, limit: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="skip")
-def gated_skip(self, key: str, tag: str = "", gate: bool = False) -> dict:
-    """With ``gate``, hold the lock until the test opens gate:<key>; records its interval."""
+def _gated(name: str, key: str, tag: str, gate: bool) -> dict:
+    """With ``gate``, hold on until the test opens gate:<key>; records the interval as ``name``'s."""
     start = time.time()
     if gate:
         _wait_gate(key)
-    record("gated_skip", key, start, time.time())
+    record(name, key, start, time.time())
     return {"pid": os.getpid(), "tag": tag}
+
+
+def _journaled_gate(task, key: str, tag: str, gate: bool) -> None:
+    """Journal start and end under journaled:<key>; with ``gate``, hold on until gate:<key> in between."""
+    _journal_event(key, "start", task, tag=tag)
+    if gate:
+        _wait_gate(key)
+    _journal_event(key, "end", task, tag=tag)
+
+
+@app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="skip")
+def gated_skip(self, key: str, tag: str = "", gate: bool = False) -> dict:
+    """With ``gate``, hold the lock until the test opens gate:<key>; records its interval."""
+    return _gated("gated_skip", key, tag, gate)
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="raise")
 def gated_raise(self, key: str, tag: str = "", gate: bool = False) -> dict:
     """As gated_skip, with on_duplicate="raise"."""
-    start = time.time()
-    if gate:
-        _wait_gate(key)
-    record("gated_raise", key, start, time.time())
-    return {"pid": os.getpid(), "tag": tag}
+    return _gated("gated_raise", key, tag, gate)
 
 
 # -- for tests/line/test_handoff.py (the FIFO line and its hand-offs) --------------------------
@@ -244,20 +253,14 @@ def in_line(self, key: str, seconds: float = 0.0, tag: str = "", gate: bool = Fa
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_max_wait=2.0)
 def in_line_short_wait(self, key: str, tag: str = "", gate: bool = False) -> dict:
     """As in_line, but a waiter gives up after 2 s in line (LockWaitTimeout)."""
-    _journal_event(key, "start", self, tag=tag)
-    if gate:
-        _wait_gate(key)
-    _journal_event(key, "end", self, tag=tag)
+    _journaled_gate(self, key, tag, gate)
     return {"pid": os.getpid(), "tag": tag}
 
 
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry")
 def in_line_append(self, prev: list, key: str, tag: str, gate: bool = False) -> list:
     """For chains and chords: ``prev + [tag]``, under the key's lock, waiting its turn."""
-    _journal_event(key, "start", self, tag=tag)
-    if gate:
-        _wait_gate(key)
-    _journal_event(key, "end", self, tag=tag)
+    _journaled_gate(self, key, tag, gate)
     return [*prev, tag]
 
 
@@ -410,8 +413,5 @@ def journaled_filler(self, key: str, seconds: float) -> None:
 @app.task(base=LockedTask, bind=True, lock_key=["key"], on_duplicate="retry", lock_max_wait=6.0)
 def in_line_wait6(self, key: str, tag: str = "", gate: bool = False) -> dict:
     """As in_line, but a waiter gives up 6 s after it first parked (LockWaitTimeout)."""
-    _journal_event(key, "start", self, tag=tag)
-    if gate:
-        _wait_gate(key)
-    _journal_event(key, "end", self, tag=tag)
+    _journaled_gate(self, key, tag, gate)
     return {"pid": os.getpid(), "tag": tag}

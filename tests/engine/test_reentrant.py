@@ -25,6 +25,24 @@ def new_name() -> str:
     return f"re:{uuid.uuid4().hex[:12]}"
 
 
+def tried_in_another_thread(*args, **kwargs) -> str | None:
+    """``held(*args, **kwargs)`` tried in a thread of its own: "entered" when it took the lock, "refused"
+    when it raised LockContended (None when the thread did not end in time)."""
+    box: dict[str, str] = {}
+
+    def attempt() -> None:
+        try:
+            with held(*args, **kwargs):
+                box["got"] = "entered"
+        except LockContended:
+            box["got"] = "refused"
+
+    t = threading.Thread(target=attempt)
+    t.start()
+    t.join(TIMEOUT)
+    return box.get("got")
+
+
 # -- plain code: held(...) ------------------------------------------------------------------------
 
 
@@ -50,19 +68,8 @@ def test_nested_depth_three_one_lock_no_round_trip_then_another_owner_gets_it(lo
         with pytest.raises(LockContended):
             with held(url, name, 10, owner_id="job-2"):
                 pass
-        box = {}
-
-        def other_thread():  # another owner elsewhere waits in line, in vain while we hold it
-            try:
-                with held(url, name, 10, owner_id="job-2", wait=0.3):
-                    box["got"] = "lock"
-            except LockContended:
-                box["got"] = "refused"
-
-        t = threading.Thread(target=other_thread)
-        t.start()
-        t.join(TIMEOUT)
-        assert box["got"] == "refused"
+        # another owner elsewhere waits in line, in vain while we hold it
+        assert tried_in_another_thread(url, name, 10, owner_id="job-2", wait=0.3) == "refused"
     assert locks.get(outer.key) is None  # the outermost exit released it
     with held(url, name, 10, owner_id="job-2") as other:
         assert other is not outer and other.depth == 1
@@ -241,19 +248,8 @@ def test_a_task_lock_is_not_reentered_from_another_thread_of_its_body(redis_serv
 
     @locked(app, lock_key=["k"], lock_ttl=20)
     def spawn(self, k):
-        lock, box, task_id = self.lock, {}, self.request.id
-
-        def side():
-            try:
-                with held(LockServer.from_url(redis_server.url(2)), lock.key, owner_id=task_id):
-                    box["got"] = "entered"
-            except LockContended:
-                box["got"] = "refused"
-
-        t = threading.Thread(target=side)
-        t.start()
-        t.join(TIMEOUT)
-        return box.get("got")
+        return tried_in_another_thread(LockServer.from_url(redis_server.url(2)), self.lock.key,
+                                       owner_id=self.request.id)
 
     with run_worker(app, pool="threads", concurrency=2):
         assert spawn.delay(f"k-{uuid.uuid4().hex[:8]}").get(timeout=TIMEOUT) == "refused"

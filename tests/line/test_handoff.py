@@ -32,17 +32,15 @@ import time
 import uuid
 
 import pytest
-from _backends import BACKENDS, backend_of, lock_store
+from _line_support import events, open_gate, parks, publishes, starts, wait_starts, worker_nodes
 from _task_support import ROOT, TIMEOUT, assert_no_overlap, load_worker_app, start_worker_process
 from celery import chain, chord
 from celery.exceptions import WorkerLostError
 
 from celery_singleton_lock import LockContended, LockServer, LockWaitTimeout, held
-from celery_singleton_lock.engine import line as lines
 from celery_singleton_lock.engine.line import LONGEST_BLOCK, SWEEP_INTERVAL, SWEEP_LEASE
 from celery_singleton_lock.engine.lock import slot_safe
 from celery_singleton_lock.testing.servers import wait_until
-from celery_singleton_lock.topologies.etcd import EtcdLockServer
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("collect_results")]
 
@@ -52,85 +50,24 @@ FEW = 5.0  # "a few seconds": slack for a loaded two-core machine on top of ever
 WORKER_ENV = {"CSL_LOCK_TTL": str(LOCK_TTL), "CSL_JOURNAL_HANDOFF": "1"}
 
 
-class Nodes:
+@pytest.fixture(scope="module")
+def nodes(lock_nodes, redis_server, tmp_path_factory):
     """Two prefork workers x 2 children on ``queue``, and two single-child workers with a fault hook,
-    their locks on ``backend`` (the session's private Redis, or etcd)."""
-
-    def line_len(self, key: str) -> int:
-        """How many wait in ``key``'s line."""
-        return self.locks.llen(key + ":q") if self.backend == "redis" else len(lines.line(self.server, key))
-
-    def pttl(self, key: str) -> int:
-        """The ms the lock of ``key`` lives unless renewed (on etcd, its lease's, in whole seconds)."""
-        if self.backend == "redis":
-            return self.locks.pttl(key)
-        _, lease = self.server.holder_and_lease(key)
-        return int(self.server.transport.call("/lease/timetolive", {"ID": str(lease)})["TTL"]) * 1000
-
-    def nothing_left(self, key: str) -> None:
-        def empty() -> bool:
-            if self.backend == "redis":
-                return not self.locks.exists(key, key + ":q", key + ":w")
-            return self.server.holder(key) is None and not lines.line(self.server, key)
-        wait_until(empty, TIMEOUT, 0.05, f"{key} to be left empty")
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def nodes(request, redis_server, tmp_path_factory):
-    backend, etcd_url = backend_of(request)
-    url, store = lock_store(backend, redis_server, etcd_url)
-    wa = load_worker_app(redis_server)
-    for db in (1, 2, 3):
-        redis_server.client(db).flushdb()  # our private server; the broker db keeps its bindings
-    n = Nodes()
-    n.wa, n.locks, n.backend = wa, store, backend
-    n.server = LockServer.from_url(url) if backend == "redis" else EtcdLockServer.from_url(url)
-    worker_env = {**WORKER_ENV, "CSL_LOCK_URL": url}
+    their locks on the backend under test (the session's private Redis, or etcd)."""
+    n = lock_nodes
+    env = {**WORKER_ENV, "CSL_LOCK_URL": n.url}
     tag = uuid.uuid4().hex[:8]
     n.queue, n.q_parked, n.q_handoff = f"csl-ho-{tag}", f"csl-ho-parked-{tag}", f"csl-ho-handoff-{tag}"
-    logdir = tmp_path_factory.mktemp("handoff")
-    started = []
-    try:
-        # started together, so their start-ups overlap
-        n.workers = [
-            start_worker_process(redis_server, logdir, concurrency=2, env=worker_env, extra=("-Q", n.queue),
-                                 name=f"node{i}")
-            for i in range(2)
-        ]
-        started += n.workers
-        n.kill_parked = start_worker_process(
-            redis_server, logdir, concurrency=1, env={**worker_env, "CSL_TEST_KILL_AT": "parked"},
-            extra=("-Q", n.q_parked), name="kill-parked",
-        )
-        n.kill_handoff = start_worker_process(
-            redis_server, logdir, concurrency=1, env={**worker_env, "CSL_TEST_KILL_AT": "handoff"},
-            extra=("-Q", n.q_handoff), name="kill-handoff",
-        )
-        started += [n.kill_parked, n.kill_handoff]
-        for w in started:
-            w.wait_ready(90)
+    specs = {"node0": (n.queue, 2, env), "node1": (n.queue, 2, env),
+             "kill-parked": (n.q_parked, 1, {**env, "CSL_TEST_KILL_AT": "parked"}),
+             "kill-handoff": (n.q_handoff, 1, {**env, "CSL_TEST_KILL_AT": "handoff"})}
+    with worker_nodes(redis_server, tmp_path_factory.mktemp("handoff"), specs) as started:
+        n.workers = [started["node0"], started["node1"]]
+        n.kill_parked, n.kill_handoff = started["kill-parked"], started["kill-handoff"]
         yield n
-    finally:
-        for w in started:
-            w.stop()
-        n.server.close()
-        gc.collect()
 
 
-# -- the journal the workers write (Redis db 3) ---------------------------------------------------
-
-
-def events(wa, k: str) -> list[dict]:
-    return [json.loads(raw) for raw in wa.journal.lrange(f"journaled:{k}", 0, -1)]
-
-
-def starts(wa, k: str) -> list[dict]:
-    return [e for e in events(wa, k) if e["event"] == "start"]
-
-
-def wait_starts(wa, k: str, count: int, timeout: float = TIMEOUT) -> list[dict]:
-    return wait_until(lambda: len(starts(wa, k)) >= count and starts(wa, k), timeout, 0.02,
-                      f"{count} start(s) of {k}")
+# -- the journal the workers write (Redis db 3; the rest in tests/_line_support.py) -----------------
 
 
 def wait_ends(wa, k: str, count: int, timeout: float = TIMEOUT) -> list[dict]:
@@ -150,19 +87,6 @@ def intervals(wa, k: str, without: str | None = None) -> dict[str, tuple[float, 
     missing = [i for i, (s, e) in out.items() if s is None or e is None]
     assert not missing, f"bodies of {k} without a journaled start or end: {missing}"
     return {i: (s, e) for i, (s, e) in out.items()}  # type: ignore[misc]
-
-
-def publishes(wa, task_id: str) -> list[dict]:
-    """What the workers published for ``task_id`` (the tests' own sends are not journaled)."""
-    return [p for p in map(json.loads, wa.journal.lrange("handoff:publishes", 0, -1)) if p["id"] == task_id]
-
-
-def parks(wa, task_id: str) -> list[dict]:
-    return [p for p in map(json.loads, wa.journal.lrange("handoff:parks", 0, -1)) if p["id"] == task_id]
-
-
-def open_gate(wa, k: str) -> None:
-    wa.journal.set(f"gate:{k}", 1)
 
 
 def park_one_by_one(n, task, k: str, key: str, args_of, count: int, queue: str | None = None) -> list:
@@ -207,10 +131,8 @@ def test_fifo_across_two_nodes_one_park_and_one_send_each(nodes, capsys):
     """30 duplicates of one key from two worker nodes: every body runs exactly once, none overlap,
     they start in the order they parked, and each caused ONE park and ONE hand-off publish."""
     n, wa = nodes, nodes.wa
-    k = f"fifo-{uuid.uuid4().hex[:8]}"
-    key = wa.in_line.lock_key_for((k,), {})
     children = {w.pid: set(w.children()) for w in n.workers}
-    holder = wa.in_line.apply_async((k, 0.0, "holder", True), queue=n.queue)
+    k, key, holder = n.gated_holder("fifo")
     try:
         [first] = wait_starts(wa, k, 1)
         assert first["id"] == holder.id
@@ -323,9 +245,7 @@ def test_holder_killed_mid_body_waiters_run_once_after_its_lock_expired(nodes, c
     """SIGKILL of the holder's pool child: nobody releases; its lock expires within the TTL, then a
     sweeper in another process passes the key on, and each waiter runs once, in order."""
     n, wa = nodes, nodes.wa
-    k = f"kill-holder-{uuid.uuid4().hex[:8]}"
-    key = wa.in_line.lock_key_for((k,), {})
-    holder = wa.in_line.apply_async((k, 0.0, "holder", True), queue=n.queue)
+    k, key, holder = n.gated_holder("kill-holder")
     try:
         [first] = wait_starts(wa, k, 1)
         waiters = park_one_by_one(n, wa.in_line, k, key, lambda i: (k, 0.05, f"w{i}"), 3)
@@ -360,10 +280,8 @@ def test_waiter_killed_right_after_it_parked_still_runs_once(nodes):
     """SIGKILL of a waiter's pool child right after its park (CSL_TEST_KILL_AT=parked), before its
     delivery ended: its message lives on in the key's line, and it runs once, in its turn."""
     n, wa = nodes, nodes.wa
-    k = f"kill-parked-{uuid.uuid4().hex[:8]}"
-    key = wa.in_line.lock_key_for((k,), {})
     doomed = n.kill_parked.children()
-    holder = wa.in_line.apply_async((k, 0.0, "holder", True), queue=n.queue)
+    k, key, holder = n.gated_holder("kill-parked")
     try:
         wait_starts(wa, k, 1)
         [victim] = park_one_by_one(n, wa.in_line, k, key, lambda i: (k, 0.0, "victim"), 1, queue=n.q_parked)
@@ -396,9 +314,7 @@ def test_releaser_killed_between_hand_off_and_publish_the_sweeper_sends_it(nodes
     and before it published the waiter (CSL_TEST_KILL_AT=handoff): once the reservation runs out, a
     sweeper sends the waiter; it runs once, and the line goes on."""
     n, wa = nodes, nodes.wa
-    k = f"kill-releaser-{uuid.uuid4().hex[:8]}"
-    key = wa.in_line.lock_key_for((k,), {})
-    holder = wa.in_line.apply_async((k, 0.0, "holder", True), queue=n.q_handoff)
+    k, key, holder = n.gated_holder("kill-releaser", queue=n.q_handoff)
     try:
         [first] = wait_starts(wa, k, 1)
         assert first["pid"] in n.kill_handoff.children()
@@ -522,13 +438,6 @@ def test_line_that_does_not_move_fails_with_lock_wait_timeout_and_errback(nodes,
 
 
 # -- 6. plain code: held(server, name, ttl, wait=...) -------------------------------------------------
-
-
-@pytest.fixture
-def plain_server(redis_server):
-    server = LockServer.from_url(redis_server.url(2))
-    yield server
-    server.close()
 
 
 def start_waiters(server: LockServer, name: str, count: int, *, wait: float, hold: float, out: list):

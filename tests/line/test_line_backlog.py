@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import os
 import subprocess
@@ -29,6 +28,7 @@ import uuid
 import pytest
 from _apps import make_app
 from _fault_proxy import FaultProxy
+from _line_support import events, open_gate, publishes, starts, wait_starts, worker_nodes
 from _task_support import (
     ROOT,
     TIMEOUT,
@@ -89,25 +89,17 @@ def start_nodes(redis_server, tmp_path_factory, broker: str, env: dict | None = 
     logdir = tmp_path_factory.mktemp(f"line-load-{broker}")
     extra_env = {**WORKER_ENV, **(env or {}), "CSL_LOCK_URL": redis_server.url(lock_db),
                  **({"CSL_BROKER_URL": AMQP_URL} if broker == "amqp" else {})}
-    n.workers = []
+    specs = {f"{broker}-node{i}": (n.queue, concurrency, extra_env) for i in range(count)}
     try:
-        n.workers = [
-            start_worker_process(redis_server, logdir, concurrency=concurrency, env=extra_env, extra=("-Q", n.queue),
-                                 name=f"{broker}-node{i}")
-            for i in range(count)
-        ]
-        for w in n.workers:
-            w.wait_ready(90)
-        yield n
+        with worker_nodes(redis_server, logdir, specs) as started:
+            n.workers = list(started.values())
+            yield n
     finally:
-        for w in n.workers:
-            w.stop()
         if broker == "amqp":
             with n.client.connection_for_write() as conn:
                 for q in (n.queue, n.queue + SUFFIX):
                     with contextlib.suppress(Exception):
                         conn.default_channel.queue_delete(q)
-        gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -124,24 +116,7 @@ def amqp_nodes(redis_server, tmp_path_factory):
         yield n
 
 
-# -- the workers' journal (Redis db 3) ---------------------------------------------------------------
-
-
-def events(wa, k: str) -> list[dict]:
-    return [json.loads(raw) for raw in wa.journal.lrange(f"journaled:{k}", 0, -1)]
-
-
-def starts(wa, k: str) -> list[dict]:
-    return [e for e in events(wa, k) if e["event"] == "start"]
-
-
-def wait_starts(wa, k: str, count: int, timeout: float = TIMEOUT) -> list[dict]:
-    return wait_until(lambda: len(starts(wa, k)) >= count and starts(wa, k), timeout, 0.02,
-                      f"{count} start(s) of {k}")
-
-
-def publishes(wa, task_id: str) -> list[dict]:
-    return [p for p in map(json.loads, wa.journal.lrange("handoff:publishes", 0, -1)) if p["id"] == task_id]
+# -- the workers' journal (Redis db 3; the rest in tests/_line_support.py) ----------------------------
 
 
 def line_of(locks, key: str) -> list[str]:
@@ -150,10 +125,6 @@ def line_of(locks, key: str) -> list[str]:
     if not entries:
         return []
     return [rec.split(b"\n", 4)[3].decode() for rec in locks.hmget(key + ":w", entries) if rec]
-
-
-def open_gate(wa, k: str) -> None:
-    wa.journal.set(f"gate:{k}", 1)
 
 
 class Backlog:
@@ -405,6 +376,24 @@ def redis_url(client) -> str:
 # -- 4. revoke -----------------------------------------------------------------------------------------
 
 
+def holder_and_two_parked(n: Nodes, k: str, key: str) -> tuple:
+    """A gated holder of ``k``, started, and ``a`` then ``b`` parked behind it, in that order."""
+    holder = n.send("in_line", (k, 0.0, "holder", True))
+    wait_starts(n.wa, k, 1)
+    a = n.send("in_line", (k, 0.0, "a"))
+    wait_until(lambda: n.locks.llen(key + ":q") == 1, TIMEOUT, 0.02, "a to park")
+    b = n.send("in_line", (k, 0.0, "b"))
+    wait_until(lambda: n.locks.llen(key + ":q") == 2, TIMEOUT, 0.02, "b to park")
+    return holder, a, b
+
+
+def b_ran_in_place_of_a(n: Nodes, k: str, holder, b) -> None:
+    """``b`` ran, and of ``k``'s calls only the holder and ``b`` did (``a`` left the line)."""
+    assert b.get(timeout=TIMEOUT)["tag"] == "b"
+    holder.get(timeout=TIMEOUT)
+    assert [e["id"] for e in starts(n.wa, k)] == [holder.id, b.id]
+
+
 @pytest.mark.slow
 def test_revoke_takes_a_waiting_task_out_of_the_line(redis_nodes):
     """AsyncResult.revoke() of a parked task: it leaves the line, its state is REVOKED, it never
@@ -413,21 +402,14 @@ def test_revoke_takes_a_waiting_task_out_of_the_line(redis_nodes):
     n, wa = redis_nodes, redis_nodes.wa
     k = f"revoke-{uuid.uuid4().hex[:8]}"
     key = wa.in_line.lock_key_for((k,), {})
-    holder = n.send("in_line", (k, 0.0, "holder", True))
     try:
-        wait_starts(wa, k, 1)
-        a = n.send("in_line", (k, 0.0, "a"))
-        wait_until(lambda: n.locks.llen(key + ":q") == 1, TIMEOUT, 0.02, "a to park")
-        b = n.send("in_line", (k, 0.0, "b"))
-        wait_until(lambda: n.locks.llen(key + ":q") == 2, TIMEOUT, 0.02, "b to park")
+        holder, a, b = holder_and_two_parked(n, k, key)
         a.revoke()
         wait_until(lambda: a.state == "REVOKED", TIMEOUT, 0.05, "a to be REVOKED")
         assert line_of(n.locks, key) == [b.id]
     finally:
         open_gate(wa, k)
-    assert b.get(timeout=TIMEOUT)["tag"] == "b"
-    holder.get(timeout=TIMEOUT)
-    assert [e["id"] for e in starts(wa, k)] == [holder.id, b.id]
+    b_ran_in_place_of_a(n, k, holder, b)
     assert a.state == "REVOKED"
 
 
@@ -439,13 +421,8 @@ def test_revoke_of_a_task_whose_turn_was_sent_passes_the_key_on_at_once(redis_no
     k = f"revoke-sent-{uuid.uuid4().hex[:8]}"
     key = wa.in_line.lock_key_for((k,), {})
     server = LockServer.from_url(redis_url(n.locks))
-    holder = n.send("in_line", (k, 0.0, "holder", True))
     try:
-        wait_starts(wa, k, 1)
-        a = n.send("in_line", (k, 0.0, "a"))
-        wait_until(lambda: n.locks.llen(key + ":q") == 1, TIMEOUT, 0.02, "a to park")
-        b = n.send("in_line", (k, 0.0, "b"))
-        wait_until(lambda: n.locks.llen(key + ":q") == 2, TIMEOUT, 0.02, "b to park")
+        holder, a, b = holder_and_two_parked(n, k, key)
         # the holder's key handed to A, A's turn "sent" and slow: reserved for A for 60 s
         reply = server.run(scripts.FORCE_RELEASE, server.keys_for(key), ("",))
         [handed] = [Handoff.parse(key, item) for item in reply[2:]]
@@ -460,8 +437,7 @@ def test_revoke_of_a_task_whose_turn_was_sent_passes_the_key_on_at_once(redis_no
     finally:
         open_gate(wa, k)
         server.close()
-    holder.get(timeout=TIMEOUT)
-    assert [e["id"] for e in starts(wa, k)] == [holder.id, b.id]
+    b_ran_in_place_of_a(n, k, holder, b)
 
 
 # -- 5. celery locks line / drop ---------------------------------------------------------------------
@@ -484,13 +460,8 @@ def test_cli_lists_a_line_in_order_and_drops_one_waiter(redis_nodes):
     n, wa = redis_nodes, redis_nodes.wa
     k = f"cli-{uuid.uuid4().hex[:8]}"
     key = wa.in_line.lock_key_for((k,), {})
-    holder = n.send("in_line", (k, 0.0, "holder", True))
     try:
-        wait_starts(wa, k, 1)
-        a = n.send("in_line", (k, 0.0, "a"))
-        wait_until(lambda: n.locks.llen(key + ":q") == 1, TIMEOUT, 0.02, "a to park")
-        b = n.send("in_line", (k, 0.0, "b"))
-        wait_until(lambda: n.locks.llen(key + ":q") == 2, TIMEOUT, 0.02, "b to park")
+        holder, a, b = holder_and_two_parked(n, k, key)
         out = celery_cli("locks", "line", key, "--json")
         assert out.returncode == 0, out.stderr
         rows = json.loads(out.stdout)
@@ -508,49 +479,44 @@ def test_cli_lists_a_line_in_order_and_drops_one_waiter(redis_nodes):
         assert celery_cli("locks", "line", wa.in_line.lock_key_for(("nobody",), {})).returncode == 1
     finally:
         open_gate(wa, k)
-    assert b.get(timeout=TIMEOUT)["tag"] == "b"
-    holder.get(timeout=TIMEOUT)
-    assert [e["id"] for e in starts(wa, k)] == [holder.id, b.id]
+    b_ran_in_place_of_a(n, k, holder, b)
 
 
 # -- 6. a sent turn's record, in the engine (a real Redis, no worker) -----------------------------------
 
 
-def test_a_sent_turn_keeps_its_record_and_reservation_then_ends_at_its_deadline(redis_server):
+def test_a_sent_turn_keeps_its_record_and_reservation_then_ends_at_its_deadline(plain_server):
     """A turn sent and confirmed: the key stays reserved for it up to the turn timeout, and its record
     lives at least as long (before: one lock TTL, and the record could expire with the waiters hash
     while the copy travelled: "already ran", WAITING forever). Once the turn timeout passed the key on,
     the record stays out of the line until its lock_max_wait deadline, when the sweep fails it
     ("expired"; before: nothing ever timed it out)."""
-    server = LockServer.from_url(redis_server.url(2))
-    try:
-        name = f"record-{uuid.uuid4().hex[:8]}"
-        key = slot_safe(name)
-        client = server.client
-        holder = server.acquire(name, 5, owner_id="holder")
-        assert queue.park(server, name, "e1", kind="t", wait=60, ttl=5, owner_id="w1", message=b"m").place == 1
-        [turn] = server.release(holder).handoffs  # no sender here: reserved, not yet sent
-        assert turn.entry == "e1"
-        server.turn_timeout = 120.0
-        assert server.confirm(name, "e1")
-        assert client.pttl(key) > 100_000, "reserved for the sent turn up to the turn timeout"
-        assert client.pttl(key + ":w") > 120_000, "its record outlives the reservation"
+    server = plain_server
+    name = f"record-{uuid.uuid4().hex[:8]}"
+    key = slot_safe(name)
+    client = server.client
+    holder = server.acquire(name, 5, owner_id="holder")
+    assert queue.park(server, name, "e1", kind="t", wait=60, ttl=5, owner_id="w1", message=b"m").place == 1
+    [turn] = server.release(holder).handoffs  # no sender here: reserved, not yet sent
+    assert turn.entry == "e1"
+    server.turn_timeout = 120.0
+    assert server.confirm(name, "e1")
+    assert client.pttl(key) > 100_000, "reserved for the sent turn up to the turn timeout"
+    assert client.pttl(key + ":w") > 120_000, "its record outlives the reservation"
 
-        name = f"record-late-{uuid.uuid4().hex[:8]}"
-        key = slot_safe(name)
-        holder = server.acquire(name, 5, owner_id="holder")
-        queue.park(server, name, "e2", kind="t", wait=1.5, ttl=0.2, owner_id="w2", message=b"m")
-        server.turn_timeout = 0.4
-        server.release(holder)
-        assert server.confirm(name, "e2")
-        wait_until(lambda: not client.exists(key), 5, 0.05, "the turn timeout to pass the key on")
-        next_ms, handoffs = queue.sweep(server, name)
-        assert handoffs == () and next_ms > 0 and client.hexists(key + ":w", "e2"), "kept until its deadline"
-        expired = wait_until(lambda: queue.sweep(server, name)[1], 5, 0.1, "the deadline")
-        assert [(h.what, h.owner_id) for h in expired] == [("expired", "w2")]
-        assert not client.exists(key + ":w", key + ":q")
-    finally:
-        server.close()
+    name = f"record-late-{uuid.uuid4().hex[:8]}"
+    key = slot_safe(name)
+    holder = server.acquire(name, 5, owner_id="holder")
+    queue.park(server, name, "e2", kind="t", wait=1.5, ttl=0.2, owner_id="w2", message=b"m")
+    server.turn_timeout = 0.4
+    server.release(holder)
+    assert server.confirm(name, "e2")
+    wait_until(lambda: not client.exists(key), 5, 0.05, "the turn timeout to pass the key on")
+    next_ms, handoffs = queue.sweep(server, name)
+    assert handoffs == () and next_ms > 0 and client.hexists(key + ":w", "e2"), "kept until its deadline"
+    expired = wait_until(lambda: queue.sweep(server, name)[1], 5, 0.1, "the deadline")
+    assert [(h.what, h.owner_id) for h in expired] == [("expired", "w2")]
+    assert not client.exists(key + ":w", key + ":q")
 
 
 def test_start_worker_consumes_the_turns_queue_of_each_of_its_queues(redis_server, run_worker):
@@ -572,35 +538,32 @@ def test_start_worker_consumes_the_turns_queue_of_each_of_its_queues(redis_serve
         assert job.apply_async(("x",), queue=queues[1]).get(timeout=TIMEOUT) == "x"
 
 
-def test_a_late_copy_never_takes_a_free_key_ahead_of_live_waiters(redis_server):
+def test_a_late_copy_never_takes_a_free_key_ahead_of_live_waiters(plain_server):
     """A's turn was sent, its reservation passed on to B, and B's (never sent) ran out too: the key is
     free, B waits at the head. A's late copy does not take the key ahead of B (before: it did, as its
     entry was out of the line); it goes back to the head (it is the oldest), and the sweep hands it
     the key in its turn."""
-    server = LockServer.from_url(redis_server.url(2))
-    try:
-        name = f"late-fifo-{uuid.uuid4().hex[:8]}"
-        key = slot_safe(name)
-        client = server.client
-        holder = server.acquire(name, 5, owner_id="holder")
-        queue.park(server, name, "ea", kind="t", wait=60, ttl=0.2, owner_id="a", message=b"m")
-        queue.park(server, name, "eb", kind="t", wait=60, ttl=0.2, owner_id="b", message=b"m")
-        [turn] = server.release(holder).handoffs
-        assert turn.owner_id == "a" and server.confirm(name, "ea")  # sent: reserved up to the turn timeout
-        client.pexpire(key, 1)  # ... which ran out: the key passes on (a purged or very slow queue)
-        wait_until(lambda: not client.exists(key), 5, 0.01, "A's reservation to run out")
-        _, handed = queue.sweep(server, name)
-        assert [h.owner_id for h in handed] == ["b"]  # B's turn, never sent (no sender here)
-        wait_until(lambda: not client.exists(key), 5, 0.01, "B's reservation to run out")
-        late = server.acquire(name, 5, owner_id="a", entry="ea")
-        assert not isinstance(late, Lock), "A's late copy took the key ahead of B"
-        assert late.queued  # free, but waiters are in line
-        assert queue.park(server, name, "ea", kind="t", wait=50, ttl=0.2, owner_id="a", message=b"m", first=True,
-                          again=True).found is queue.Park.PARKED  # its own copy (it carries the entry) parks anew
-        _, handed = queue.sweep(server, name)
-        assert [h.owner_id for h in handed] == ["a"], "the oldest waiter first"
-    finally:
-        server.close()
+    server = plain_server
+    name = f"late-fifo-{uuid.uuid4().hex[:8]}"
+    key = slot_safe(name)
+    client = server.client
+    holder = server.acquire(name, 5, owner_id="holder")
+    queue.park(server, name, "ea", kind="t", wait=60, ttl=0.2, owner_id="a", message=b"m")
+    queue.park(server, name, "eb", kind="t", wait=60, ttl=0.2, owner_id="b", message=b"m")
+    [turn] = server.release(holder).handoffs
+    assert turn.owner_id == "a" and server.confirm(name, "ea")  # sent: reserved up to the turn timeout
+    client.pexpire(key, 1)  # ... which ran out: the key passes on (a purged or very slow queue)
+    wait_until(lambda: not client.exists(key), 5, 0.01, "A's reservation to run out")
+    _, handed = queue.sweep(server, name)
+    assert [h.owner_id for h in handed] == ["b"]  # B's turn, never sent (no sender here)
+    wait_until(lambda: not client.exists(key), 5, 0.01, "B's reservation to run out")
+    late = server.acquire(name, 5, owner_id="a", entry="ea")
+    assert not isinstance(late, Lock), "A's late copy took the key ahead of B"
+    assert late.queued  # free, but waiters are in line
+    assert queue.park(server, name, "ea", kind="t", wait=50, ttl=0.2, owner_id="a", message=b"m", first=True,
+                      again=True).found is queue.Park.PARKED  # its own copy (it carries the entry) parks anew
+    _, handed = queue.sweep(server, name)
+    assert [h.owner_id for h in handed] == ["a"], "the oldest waiter first"
 
 
 @pytest.mark.slow
@@ -658,12 +621,12 @@ def test_a_sweeper_leaves_alone_the_waiters_of_a_task_its_process_cannot_send(re
         plain.close()
 
 
-def test_a_park_lost_with_the_data_whose_send_fails_is_sent_again_at_the_next_look(redis_server):
+def test_a_park_lost_with_the_data_whose_send_fails_is_sent_again_at_the_next_look(plain_server):
     """The lock Redis lost its data while the broker is unreachable: the sweeper's send of the lost park
     raises. It keeps the park and sends it at its next look (it used to forget it: the call was lost)."""
     from celery_singleton_lock.engine.sweeper import Sweeper
 
-    server = LockServer.from_url(redis_server.url(2))
+    server = plain_server
     name = f"lost-{uuid.uuid4().hex[:8]}"
     assert isinstance(server.acquire(name, 30, owner_id="holder"), Lock)
     entry = queue.new_entry()
@@ -687,4 +650,3 @@ def test_a_park_lost_with_the_data_whose_send_fails_is_sent_again_at_the_next_lo
         assert len(sent) == 2
     finally:
         sweeper.stop()
-        server.close()

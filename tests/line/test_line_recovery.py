@@ -20,17 +20,19 @@ a real broker redelivery through kombu's restore, FLUSHDB of the test's own lock
 
 from __future__ import annotations
 
-import gc
+import contextlib
 import os
 import secrets
 import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from _apps import make_app
-from _backends import BACKENDS, backend_of, lock_store
+from _line_support import Nodes, events, open_gate, parks, starts, wait_starts, worker_nodes
 from _task_support import (
     RESTORE_FAST,
     TIMEOUT,
@@ -41,15 +43,12 @@ from _task_support import (
     load_worker_app,
     locked,
     redeliver,
-    start_worker_process,
 )
 from celery import chain
-from test_handoff import Nodes, events, open_gate, parks, starts, wait_starts
 
 from celery_singleton_lock import LockServer
 from celery_singleton_lock.engine.lock import Release
 from celery_singleton_lock.testing.servers import wait_until
-from celery_singleton_lock.topologies.etcd import EtcdLockServer
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("collect_results")]
 
@@ -57,43 +56,23 @@ LOCK_TTL = 3.0
 LATE = {"CSL_LOCK_TTL": str(LOCK_TTL), "CSL_JOURNAL_HANDOFF": "1", "CSL_ACKS_LATE": "1", "CSL_REJECT_ON_LOST": "1"}
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def nodes(request, redis_server, tmp_path_factory):
+@pytest.fixture(scope="module")
+def nodes(lock_nodes, redis_server, tmp_path_factory):
     """One acks_late node (2 children) on ``queue``, and two single-child acks_late workers that die
     once each at a named point: right after a park, right after a release; their locks on Redis or
     on etcd."""
-    backend, etcd_url = backend_of(request)
-    url, store = lock_store(backend, redis_server, etcd_url)
-    wa = load_worker_app(redis_server)
-    for db in (1, 2, 3):
-        redis_server.client(db).flushdb()  # our private server; the broker db keeps its bindings
-    n = Nodes()
-    n.wa, n.locks, n.backend = wa, store, backend
-    n.server = LockServer.from_url(url) if backend == "redis" else EtcdLockServer.from_url(url)
-    late = {**LATE, "CSL_LOCK_URL": url}
+    n = lock_nodes
+    late = {**LATE, "CSL_LOCK_URL": n.url}
     tag = uuid.uuid4().hex[:8]
     n.queue, n.q_parked, n.q_released = f"csl-li-{tag}", f"csl-li-parked-{tag}", f"csl-li-released-{tag}"
     logdir = tmp_path_factory.mktemp("identity")
-    started = []
-    try:
-        n.node = start_worker_process(redis_server, logdir, concurrency=2, env=late, extra=("-Q", n.queue),
-                                      name="node")
-        started.append(n.node)
-        for point, queue in (("parked", n.q_parked), ("released", n.q_released)):
-            w = start_worker_process(
-                redis_server, logdir, concurrency=1, name=f"kill-{point}", extra=("-Q", queue),
-                env={**late, "CSL_TEST_KILL_AT": point, "CSL_TEST_KILL_ONCE": str(logdir / f"killed-{point}")},
-            )
-            setattr(n, f"kill_{point}", w)
-            started.append(w)
-        for w in started:
-            w.wait_ready(90)
+    specs = {"node": (n.queue, 2, late)}
+    for point, queue in (("parked", n.q_parked), ("released", n.q_released)):
+        specs[f"kill-{point}"] = (queue, 1, {**late, "CSL_TEST_KILL_AT": point,
+                                             "CSL_TEST_KILL_ONCE": str(logdir / f"killed-{point}")})
+    with worker_nodes(redis_server, logdir, specs) as started:
+        n.node, n.kill_parked, n.kill_released = started["node"], started["kill-parked"], started["kill-released"]
         yield n
-    finally:
-        for w in started:
-            w.stop()
-        n.server.close()
-        gc.collect()
 
 
 @pytest.mark.slow
@@ -102,9 +81,7 @@ def test_parked_delivery_redelivered_after_its_ack_was_lost_parks_once_and_runs_
     redelivers the message; it finds its entry in the line (entries are derived from the task id)
     and ends, so the task waits ONCE and runs once, in its turn."""
     n, wa = nodes, nodes.wa
-    k = f"park-twice-{uuid.uuid4().hex[:8]}"
-    key = wa.in_line.lock_key_for((k,), {})
-    holder = wa.in_line.apply_async((k, 0.0, "holder", True), queue=n.queue)
+    k, key, holder = n.gated_holder("park-twice")
     try:
         wait_starts(wa, k, 1)
         victim = wa.in_line.apply_async((k, 0.0, "victim"), queue=n.q_parked)
@@ -227,24 +204,16 @@ def flushable(redis_server, tmp_path_factory):
     FLUSHDB); broker and results stay on the session's Redis."""
     from celery_singleton_lock.testing.servers import RedisServer
 
-    wa = load_worker_app(redis_server)
     n = Nodes()
-    n.wa = wa
+    n.wa = load_worker_app(redis_server)
     n.queue = f"csl-li-flush-{uuid.uuid4().hex[:8]}"
-    logdir = tmp_path_factory.mktemp("flush")
     with RedisServer() as lock_redis:
         n.lock_redis, n.locks = lock_redis, lock_redis.client(0)
         env = {"CSL_LOCK_TTL": str(LOCK_TTL), "CSL_JOURNAL_HANDOFF": "1", "CSL_LOCK_URL": lock_redis.url(0)}
-        n.workers = [start_worker_process(redis_server, logdir, concurrency=2, env=env, extra=("-Q", n.queue),
-                                          name=f"flush{i}") for i in range(2)]
-        try:
-            for w in n.workers:
-                w.wait_ready(90)
+        specs = {f"flush{i}": (n.queue, 2, env) for i in range(2)}
+        with worker_nodes(redis_server, tmp_path_factory.mktemp("flush"), specs) as started:
+            n.workers = list(started.values())
             yield n
-        finally:
-            for w in n.workers:
-                w.stop()
-            gc.collect()
 
 
 def _each_ran_once(wa, k: str, ids: list[str]) -> None:
@@ -260,9 +229,7 @@ def test_flush_during_a_line_of_40_loses_no_waiter_and_runs_none_twice(flushable
     """40 waiters parked on one key behind a holder, from two nodes; the lock Redis is
     flushed (a restart without persistence). Every waiter runs exactly once and succeeds."""
     n, wa = flushable, flushable.wa
-    k = f"flush-line-{uuid.uuid4().hex[:8]}"
-    key = wa.in_line.lock_key_for((k,), {})
-    holder = wa.in_line.apply_async((k, 0.0, "holder", True), queue=n.queue)
+    k, key, holder = n.gated_holder("flush-line")
     try:
         wait_starts(wa, k, 1)
         waiters = [wa.in_line.apply_async((k, 0.05, f"w{i}"), queue=n.queue) for i in range(40)]
@@ -316,7 +283,6 @@ def test_persistence_check_warns_on_a_redis_that_forgets_and_tolerates_config_di
     is left alone, without an error."""
     import logging
 
-    from celery_singleton_lock import LockServer
     from celery_singleton_lock.engine import persistence
     from celery_singleton_lock.testing.servers import RedisServer
 
@@ -336,16 +302,19 @@ def test_persistence_check_warns_on_a_redis_that_forgets_and_tolerates_config_di
 # -- at the line's edges: a failed turn's message, the holder's copy, a retried release, a crashed waiter --
 
 
-@pytest.mark.timeout(60)
-def test_redelivery_of_a_parked_message_whose_turn_ran_and_failed_keeps_its_failure(redis_server, run_worker):
-    """A waiter parks, takes its turn and FAILS; then the broker redelivers its original (parked)
-    message, its ack lost, while another call holds the key. The redelivery must not park again: its
-    WAITING would overwrite the FAILURE, and it would run a second time. It ends at once."""
+@contextlib.contextmanager
+def held_by_a_gated_call(redis_server, run_worker, prefix: str, conf: dict | None = None,
+                         **opts) -> Iterator[SimpleNamespace]:
+    """An ``app`` of its own (its own ``queue``, kombu restoring unacked messages every second, ``conf``
+    on top); its ``job`` on ``k`` (with the options ``opts``), whose runs ``runs`` records: a mode
+    "gate..." holds the key until the test opens ``gates``' gate of that name, "fail" raises
+    ValueError; an in-process threads worker; and a ``holder`` of a new key ``k`` in mode "gate-1",
+    running. ``rec``: the app's TaskEvents."""
     queue = f"q-{uuid.uuid4().hex[:8]}"
-    app = make_app(redis_server, task_default_queue=queue, broker_transport_options=RESTORE_FAST)
+    app = make_app(redis_server, task_default_queue=queue, broker_transport_options=RESTORE_FAST, **(conf or {}))
     gates, runs = Gates(), Runs()
 
-    @locked(app, lock_key=["k"], on_duplicate="retry", acks_late=True, name=f"li_fail_{uuid.uuid4().hex[:6]}.job")
+    @locked(app, lock_key=["k"], name=f"{prefix}_{uuid.uuid4().hex[:6]}.job", **opts)
     def job(self, k, mode):
         run = runs.begin(k, self.request.id, mode=mode)
         try:
@@ -359,84 +328,87 @@ def test_redelivery_of_a_parked_message_whose_turn_ran_and_failed_keeps_its_fail
 
     k = f"k-{uuid.uuid4().hex[:8]}"
     with TaskEvents(app) as rec, run_worker(app, pool="threads", concurrency=3):
-        holder = job.delay(k, "gate-1")
+        scene = SimpleNamespace(app=app, queue=queue, gates=gates, runs=runs, job=job, k=k, rec=rec)
+        scene.holder = job.delay(k, "gate-1")
         runs.wait_started(k)
+        yield scene
+
+
+@pytest.mark.timeout(60)
+def test_redelivery_of_a_parked_message_whose_turn_ran_and_failed_keeps_its_failure(redis_server, run_worker):
+    """A waiter parks, takes its turn and FAILS; then the broker redelivers its original (parked)
+    message, its ack lost, while another call holds the key. The redelivery must not park again: its
+    WAITING would overwrite the FAILURE, and it would run a second time. It ends at once."""
+    with held_by_a_gated_call(redis_server, run_worker, "li_fail", on_duplicate="retry", acks_late=True) as s:
+        job, k, rec, holder = s.job, s.k, s.rec, s.holder
         waiter = job.delay(k, "fail")
         rec.wait_for("duplicate_skipped", task_id=waiter.id)  # parked
-        gates.open("gate-1")
+        s.gates.open("gate-1")
         with pytest.raises(ValueError):
             waiter.get(timeout=TIMEOUT)
         assert holder.get(timeout=TIMEOUT) == "gate-1"
         other = job.delay(k, "gate-2")
-        wait_until(lambda: runs.of(k, other.id), TIMEOUT, 0.02, "another call to hold the key")
-        redeliver(redis_server.client(0), job, (k, "fail"), waiter.id, queue)
+        wait_until(lambda: s.runs.of(k, other.id), TIMEOUT, 0.02, "another call to hold the key")
+        redeliver(redis_server.client(0), job, (k, "fail"), waiter.id, s.queue)
         rec.wait_for("duplicate_skipped", task_id=waiter.id, count=2)
-        meta = app.backend.get_task_meta(waiter.id, cache=False)
+        meta = s.app.backend.get_task_meta(waiter.id, cache=False)
         assert meta["status"] == "FAILURE", f"the redelivery overwrote the FAILURE with {meta['status']}"
-        gates.open("gate-2")
+        s.gates.open("gate-2")
         assert other.get(timeout=TIMEOUT) == "gate-2"
         rec.wait_for("task_postrun", task_id=other.id)
-    assert [r.task_id for r in runs.of(k)] == [holder.id, waiter.id, other.id], "the waiter ran twice"
+    assert [r.task_id for r in s.runs.of(k)] == [holder.id, waiter.id, other.id], "the waiter ran twice"
 
 
 @pytest.mark.timeout(30)
-def test_a_redelivered_copy_of_the_holder_is_dropped_wherever_it_stands(redis_server):
+def test_a_redelivered_copy_of_the_holder_is_dropped_wherever_it_stands(plain_server):
     """Engine, real Redis: the running holder's redelivered copy waits in line (kind "s"), and
     another waiter went ahead of it (a copy re-parked at the head). The holder succeeds: its copy
     leaves the line at once, wherever it stands (before: only when it reached the head, and it was
     handed the key and ran the holder's body a second time)."""
-    from celery_singleton_lock import LockServer
     from celery_singleton_lock.engine import line as queue
     from celery_singleton_lock.engine.lock import slot_safe
 
-    server = LockServer.from_url(redis_server.url(2))
-    try:
-        name = f"s-anywhere-{uuid.uuid4().hex[:8]}"
-        key = slot_safe(name)
-        holder = server.acquire(name, 5, owner_id="H")
-        copy = queue.entry_for("H", 2)  # the holder's request had been retried twice
-        assert queue.park(server, name, copy, kind="s", wait=60, ttl=5, owner_id="H",
-                          message=b"m", first=True).place == 1
-        assert queue.park(server, name, "ex", kind="t", wait=60, ttl=5, owner_id="X",
-                          message=b"m", first=True).place == 1
-        assert server.client.lrange(key + ":q", 0, -1) == [b"ex", copy.encode()]
-        [turn] = server.release(holder, succeeded=True, retries=2).handoffs
-        assert turn.owner_id == "X"
-        # the handed waiter stays first until it claims; the holder's copy is gone from line and records
-        assert server.client.lrange(key + ":q", 0, -1) == [b"ex"] and not server.client.hexists(key + ":w", copy)
-    finally:
-        server.close()
+    server = plain_server
+    name = f"s-anywhere-{uuid.uuid4().hex[:8]}"
+    key = slot_safe(name)
+    holder = server.acquire(name, 5, owner_id="H")
+    copy = queue.entry_for("H", 2)  # the holder's request had been retried twice
+    assert queue.park(server, name, copy, kind="s", wait=60, ttl=5, owner_id="H",
+                      message=b"m", first=True).place == 1
+    assert queue.park(server, name, "ex", kind="t", wait=60, ttl=5, owner_id="X",
+                      message=b"m", first=True).place == 1
+    assert server.client.lrange(key + ":q", 0, -1) == [b"ex", copy.encode()]
+    [turn] = server.release(holder, succeeded=True, retries=2).handoffs
+    assert turn.owner_id == "X"
+    # the handed waiter stays first until it claims; the holder's copy is gone from line and records
+    assert server.client.lrange(key + ":q", 0, -1) == [b"ex"] and not server.client.hexists(key + ":w", copy)
 
 
 @pytest.mark.timeout(30)
-def test_release_retried_after_its_first_try_ran_says_deleted_and_returns_the_hand_off(redis_server):
+def test_release_retried_after_its_first_try_ran_says_deleted_and_returns_the_hand_off(plain_server):
     """Engine, real Redis: a release whose reply was lost (its first try ran: it deleted the lock and
     reserved the key for the parked waiter) is tried again (what releasing.release does after a
     timeout). The retry recognises its own hand-off: "deleted" (no false lock_lost), and it returns
     the waiter, to be sent now rather than when the reservation (one lock TTL) runs out."""
-    from celery_singleton_lock import LockServer
     from celery_singleton_lock.engine import line as queue
 
-    server = LockServer.from_url(redis_server.url(2))
+    server = plain_server
     sent: list = []
     server.send_handoff = lambda srv, handoff: sent.append(handoff) or True
-    try:
-        name = f"release-again-{uuid.uuid4().hex[:8]}"
-        holder = server.acquire(name, 30, owner_id="H")
-        assert queue.park(server, name, "ew", kind="t", wait=60, ttl=30, owner_id="W", message=b"m").place == 1
-        server.send_handoff = None  # the first try's reply is lost: nobody sends its hand-off
-        first = server.release(holder)
-        assert first.status is Release.DELETED and [h.owner_id for h in first.handoffs] == ["W"]
-        server.send_handoff = lambda srv, handoff: sent.append(handoff) or True
-        again = server.release(holder, again=True)
-        assert again.status is Release.DELETED, "the retry took its own hand-off for another holder's lock"
-        assert [h.owner_id for h in again.handoffs] == ["W"] and [h.owner_id for h in sent] == ["W"]
-        # a retry by a token that handed nothing on still finds the key another's
-        other = server.acquire(f"{name}-2", 30, owner_id="O")
-        stranger = type(other)(server, other.key, "not-the-token", 0, 30.0)
-        assert server.release(stranger, again=True).status is Release.TAKEN
-    finally:
-        server.close()
+    name = f"release-again-{uuid.uuid4().hex[:8]}"
+    holder = server.acquire(name, 30, owner_id="H")
+    assert queue.park(server, name, "ew", kind="t", wait=60, ttl=30, owner_id="W", message=b"m").place == 1
+    server.send_handoff = None  # the first try's reply is lost: nobody sends its hand-off
+    first = server.release(holder)
+    assert first.status is Release.DELETED and [h.owner_id for h in first.handoffs] == ["W"]
+    server.send_handoff = lambda srv, handoff: sent.append(handoff) or True
+    again = server.release(holder, again=True)
+    assert again.status is Release.DELETED, "the retry took its own hand-off for another holder's lock"
+    assert [h.owner_id for h in again.handoffs] == ["W"] and [h.owner_id for h in sent] == ["W"]
+    # a retry by a token that handed nothing on still finds the key another's
+    other = server.acquire(f"{name}-2", 30, owner_id="O")
+    stranger = type(other)(server, other.key, "not-the-token", 0, 30.0)
+    assert server.release(stranger, again=True).status is Release.TAKEN
 
 
 @pytest.mark.timeout(60)
@@ -446,35 +418,17 @@ def test_a_redelivery_that_never_ran_meets_the_skip_policy(redis_server, run_wor
     the redelivered flag) is no continuation of anything: under "skip" it is skipped (REVOKED), it
     does not bypass the policy. Provably unstarted: an early-acked task (acked as it starts), or an
     acks_late one with track_started and no state stored."""
-    queue = f"q-{uuid.uuid4().hex[:8]}"
-    app = make_app(redis_server, task_default_queue=queue, broker_transport_options=RESTORE_FAST,
-                   task_track_started=True)
-    gates, runs = Gates(), Runs()
-
-    @locked(app, lock_key=["k"], on_duplicate="skip", acks_late=acks_late,
-            name=f"li_prefetch_{uuid.uuid4().hex[:6]}.job")
-    def job(self, k, mode):
-        run = runs.begin(k, self.request.id, mode=mode)
-        try:
-            if mode == "gate":
-                gates.wait(k)
-            return mode
-        finally:
-            runs.end(run)
-
-    k = f"k-{uuid.uuid4().hex[:8]}"
-    with TaskEvents(app) as rec, run_worker(app, pool="threads", concurrency=3):
-        holder = job.delay(k, "gate")
-        runs.wait_started(k)
+    with held_by_a_gated_call(redis_server, run_worker, "li_prefetch", {"task_track_started": True},
+                              on_duplicate="skip", acks_late=acks_late) as s:
         unstarted = str(uuid.uuid4())
-        redeliver(redis_server.client(0), job, (k, "ok"), unstarted, queue)
-        [event] = rec.wait_for("duplicate_skipped", task_id=unstarted)
+        redeliver(redis_server.client(0), s.job, (s.k, "ok"), unstarted, s.queue)
+        [event] = s.rec.wait_for("duplicate_skipped", task_id=unstarted)
         assert event.policy == "skip", f"a never-run redelivery bypassed skip ({event.policy})"
-        wait_until(lambda: app.AsyncResult(unstarted).state == "REVOKED", TIMEOUT, 0.05, "REVOKED")
-        gates.open(k)
-        assert holder.get(timeout=TIMEOUT) == "gate"
-        rec.wait_for("task_postrun", task_id=unstarted)
-    assert [r.task_id for r in runs.of(k)] == [holder.id]
+        wait_until(lambda: s.app.AsyncResult(unstarted).state == "REVOKED", TIMEOUT, 0.05, "REVOKED")
+        s.gates.open("gate-1")
+        assert s.holder.get(timeout=TIMEOUT) == "gate-1"
+        s.rec.wait_for("task_postrun", task_id=unstarted)
+    assert [r.task_id for r in s.runs.of(s.k)] == [s.holder.id]
 
 
 PLAIN_WAITER = """
@@ -497,7 +451,7 @@ def test_a_crashed_plain_waiter_stops_blocking_the_key_within_its_lease(redis_se
 
     from _task_support import ROOT
 
-    from celery_singleton_lock import LockServer, held
+    from celery_singleton_lock import held
     from celery_singleton_lock.engine.line import PLAIN_LEASE
     from celery_singleton_lock.engine.lock import slot_safe
 

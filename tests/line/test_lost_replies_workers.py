@@ -37,6 +37,16 @@ def parked(env, task, key, count=1):
                what=f"{count} waiter(s) of {key} to park")
 
 
+def waiter_parked(env, task, hold: float) -> tuple:
+    """A holder of a new key for ``hold`` s, started, and a waiter parked behind it: (key, holder, waiter)."""
+    k = new_key()
+    holder = task.delay(k, hold, "holder")
+    started(env, k)
+    waiter = task.delay(k, 0.1, "waiter")
+    parked(env, task, k)
+    return k, holder, waiter
+
+
 def checked(env, key, pattern, calls, ran, failed=()):
     """Every call final; the calls ``ran`` (by tag) each ran once and nothing else ran; the ``failed``
     ones failed with LockWaitTimeout and fired their errback once; no overlap; the fault happened."""
@@ -81,11 +91,7 @@ def test_a_coalesced_call_with_one_reply_lost(env, script):
     """A holder, a waiter, and a call merged into the waiter: the reply of the merge (a PARK that
     finds the waiter) or of the waiter's read of its merged calls is lost. One run covers both."""
     pattern = sha_of(line_scripts.PARK if script == "PARK" else dedupe.TAKE_MERGED)
-    k = new_key()
-    holder = env.merging.delay(k, 1.0, "holder")
-    started(env, k)
-    waiter = env.merging.delay(k, 0.1, "waiter")
-    parked(env, env.merging, k)
+    k, holder, waiter = waiter_parked(env, env.merging, 1.0)
     env.proxy.arm(pattern, 1)
     merged = env.merging.delay(k, 0.1, "merged")
     checked(env, k, pattern, [holder, waiter, merged], ["holder", "merged"])
@@ -114,11 +120,7 @@ def test_a_cooldown_with_one_reply_lost(env, script):
     """``lock_cooldown``: the holder's release keeps the key 1 s, then the sweeper hands it to the
     waiter. The reply of that release, or of the sweeper's next SWEEP, is lost."""
     pattern = sha_of(scripts.RELEASE if script == "RELEASE" else line_scripts.SWEEP)
-    k = new_key()
-    holder = env.cooling.delay(k, 0.5, "holder")
-    started(env, k)
-    waiter = env.cooling.delay(k, 0.1, "waiter")
-    parked(env, env.cooling, k)
+    k, holder, waiter = waiter_parked(env, env.cooling, 0.5)
     env.proxy.arm(pattern, 1)
     done = checked(env, k, pattern, [holder, waiter], ["holder", "waiter"])
     by_tag = {r["tag"]: r for r in done}

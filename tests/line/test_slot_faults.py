@@ -37,6 +37,17 @@ def in_slot(env, task, key, count=1):
         client.close()
 
 
+def _waiting_in_its_slot(env, task, hold: float, seconds: float) -> tuple:
+    """A holder of a new key for ``hold`` s, started, and a duplicate of ``seconds`` waiting in its worker
+    slot behind it: (the key, the holder, the duplicate)."""
+    k = new_key()
+    holder = task.delay(k, hold, "holder")
+    started(env, k)
+    dup = task.delay(k, seconds, "dup")
+    wait_until(lambda: in_slot(env, task, k), TIMEOUT, what="the duplicate to wait in its slot")
+    return k, holder, dup
+
+
 def once_each(env, key, calls, tags):
     """Every call ran exactly once (by task id), nothing else ran, and no two bodies overlapped."""
     done = runs(env, key)
@@ -149,11 +160,7 @@ def _restart_empty(env, down: float) -> None:
 
 def _restart_while_in_slot(env, down: float, task=None) -> None:
     task = task or env.slot_long
-    k = new_key()
-    holder = task.delay(k, 3.0, "holder")
-    started(env, k)
-    dup = task.delay(k, 0.3, "dup")
-    wait_until(lambda: in_slot(env, task, k), TIMEOUT, what="the duplicate to wait in its slot")
+    k, holder, dup = _waiting_in_its_slot(env, task, 3.0, 0.3)
     _restart_empty(env, down)
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
     try:
@@ -201,11 +208,7 @@ def test_lock_data_lost_under_a_waiter_still_blocked_in_its_slot_runs_it_once_an
     process's sweeper sends the lost park again at once and that copy runs the call; the waiter, still
     in its slot, then ends its wait: its UNBLOCK finds no record (UNKNOWN). The call must run once, and
     its SUCCESS must stay (a WAITING stored over it would leave result.get() hanging)."""
-    k = new_key()
-    holder = env.slot_long.delay(k, 1.0, "holder")
-    started(env, k)
-    dup = env.slot_long.delay(k, 0.3, "dup")
-    wait_until(lambda: in_slot(env, env.slot_long, k), TIMEOUT, what="the duplicate to wait in its slot")
+    k, holder, dup = _waiting_in_its_slot(env, env.slot_long, 1.0, 0.3)
     waiting_since = time.time()
     client = env.locks.client(2)
     try:
@@ -235,11 +238,7 @@ def test_lock_data_lost_then_the_recovered_copy_waits_in_a_slot_beside_the_origi
     the key; the recovered copy's wait then ends with its place gone. The call must run once, and no two
     bodies of the key may overlap (its 4 s body outlasts the rest of the recovered copy's slot wait)."""
     task = env.slot_ttl30
-    k = new_key()
-    holder = task.delay(k, 0.5, "holder")
-    started(env, k)
-    dup = task.delay(k, 4.0, "dup")
-    wait_until(lambda: in_slot(env, task, k), TIMEOUT, what="the duplicate to wait in its slot")
+    k, holder, dup = _waiting_in_its_slot(env, task, 0.5, 4.0)
     client = env.locks.client(2)
     try:
         client.flushdb()
@@ -264,6 +263,21 @@ def test_lock_data_lost_then_the_recovered_copy_waits_in_a_slot_beside_the_origi
 # -- 3. a waiter killed right after it was handed the key ---------------------------------------------
 
 
+def _handed_waiter_killed(env, task, hold: float) -> tuple:
+    """A holder of a new key for ``hold`` s; a duplicate waiting in its slot behind it, which SIGKILLs its
+    own process once handed the key (apps/slot_faults_app.py's hook); a second call after it. Once the
+    kill happened: (the key, the holder, the killed duplicate, the second call)."""
+    k = new_key()
+    holder = task.delay(k, hold, "holder")
+    started(env, k)
+    env.journal.sadd("kill-handed", k)
+    dup = task.delay(k, 0.2, "dup")
+    wait_until(lambda: in_slot(env, task, k), TIMEOUT, what="the duplicate to wait in its slot")
+    second = task.delay(k, 0.2, "second")
+    wait_until(lambda: env.journal.llen(f"killed:{k}") == 1, TIMEOUT, what="the handed waiter to be killed")
+    return k, holder, dup, second
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_acks_late_waiter_killed_after_the_hand_off_before_its_body_runs_once(env):
@@ -271,14 +285,7 @@ def test_acks_late_waiter_killed_after_the_hand_off_before_its_body_runs_once(en
     release reserved for it (before its body). The key stays held by the dead waiter's token until the TTL; the
     broker delivers the message again, and it runs once, after the holder; the next waiter runs after
     it. No call is lost or doubled, no bodies overlap."""
-    k = new_key()
-    holder = env.slot_late.delay(k, 1.0, "holder")
-    started(env, k)
-    env.journal.sadd("kill-handed", k)
-    dup = env.slot_late.delay(k, 0.2, "dup")
-    wait_until(lambda: in_slot(env, env.slot_late, k), TIMEOUT, what="the duplicate to wait in its slot")
-    second = env.slot_late.delay(k, 0.2, "second")
-    wait_until(lambda: env.journal.llen(f"killed:{k}") == 1, TIMEOUT, what="the handed waiter to be killed")
+    k, holder, dup, second = _handed_waiter_killed(env, env.slot_late, 1.0)
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
     assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
     assert second.get(timeout=TIMEOUT)["tag"] == "second"
@@ -300,14 +307,7 @@ def test_early_ack_waiter_killed_after_the_hand_off_frees_the_key_for_the_next(e
     runs, once, with no overlap."""
     from celery.exceptions import WorkerLostError
 
-    k = new_key()
-    holder = env.slot.delay(k, 0.5, "holder")
-    started(env, k)
-    env.journal.sadd("kill-handed", k)
-    dup = env.slot.delay(k, 0.2, "dup")
-    wait_until(lambda: in_slot(env, env.slot, k), TIMEOUT, what="the duplicate to wait in its slot")
-    second = env.slot.delay(k, 0.2, "second")
-    wait_until(lambda: env.journal.llen(f"killed:{k}") == 1, TIMEOUT, what="the handed waiter to be killed")
+    k, holder, dup, second = _handed_waiter_killed(env, env.slot, 0.5)
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
     with pytest.raises(WorkerLostError):
         dup.get(timeout=TIMEOUT)
@@ -329,11 +329,7 @@ def test_unblock_reply_lost_twice_the_slot_copy_ends_and_the_entry_runs_once_in_
     now) but the reply is lost, twice (the client's own retry too): it ends as parked, and the entry
     runs once, in its turn's message, after the holder."""
     unblock = sha_of(line_scripts.UNBLOCK)
-    k = new_key()
-    holder = env.slot.delay(k, 2.5, "holder")
-    started(env, k)
-    dup = env.slot.delay(k, 0.2, "dup")
-    wait_until(lambda: in_slot(env, env.slot, k), TIMEOUT, what="the duplicate to wait in its slot")
+    k, holder, dup = _waiting_in_its_slot(env, env.slot, 2.5, 0.2)
     env.proxy.arm(unblock, 2)
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
     assert env.proxy.left(unblock) == 0, "the UNBLOCK replies were not lost: the test did not run its fault"
@@ -379,6 +375,17 @@ def test_wake_up_and_unblock_replies_lost_the_woken_waiter_runs_once_in_its_turn
 # -- 5. a turn's claim faulted (a waiter with no slot wait: its turn comes as a message) -------------
 
 
+def _both_ran_once_in_turn(env, k: str, holder, dup, script: bytes, what: str) -> None:
+    """The holder and the duplicate each ran once, in turn, and nothing twice; the fault armed on
+    ``script`` (``what``) happened."""
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
+    assert env.proxy.left(script) == 0, f"{what} was not faulted: the test did not run its fault"
+    done = once_each(env, k, [holder, dup], ["holder", "dup"])
+    assert_no_overlap([(r["start"], r["end"]) for r in done])
+    quiet_then_check(env, k, 2)
+
+
 def _turn_with_claim_faulted(env, fault) -> None:
     """A holder, a duplicate parked behind it, and ``fault`` armed on the claim (the full ACQUIRE with
     the waiter's entry) before the holder ends: each call runs once, in turn, and nothing twice."""
@@ -390,12 +397,7 @@ def _turn_with_claim_faulted(env, fault) -> None:
     lock_key = env.inline.lock_key_for((k,), {})
     wait_until(lambda: env.locks.client(2).llen(layout.line(lock_key)) == 1, TIMEOUT, what="the duplicate to park")
     fault(claim)
-    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
-    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
-    assert env.proxy.left(claim) == 0, "the claim was not faulted: the test did not run its fault"
-    done = once_each(env, k, [holder, dup], ["holder", "dup"])
-    assert_no_overlap([(r["start"], r["end"]) for r in done])
-    quiet_then_check(env, k, 2)
+    _both_ran_once_in_turn(env, k, holder, dup, claim, "the claim")
 
 
 @pytest.mark.slow
@@ -439,12 +441,7 @@ def test_a_park_that_fails_twice_is_sent_again_and_runs_once_in_turn(env, fault)
     started(env, k)
     (env.proxy.refuse if fault == "refused" else env.proxy.arm)(park, 2)
     dup = env.inline.delay(k, 0.1, "dup")
-    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
-    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
-    assert env.proxy.left(park) == 0, "the PARK was not faulted: the test did not run its fault"
-    done = once_each(env, k, [holder, dup], ["holder", "dup"])
-    assert_no_overlap([(r["start"], r["end"]) for r in done])
-    quiet_then_check(env, k, 2)
+    _both_ran_once_in_turn(env, k, holder, dup, park, "the PARK")
 
 
 @pytest.mark.slow
@@ -482,11 +479,7 @@ def _slot_with_claim_faulted(env, fault) -> list[dict]:
     (the ACQUIRE with the waiter's entry, the next ACQUIRE sent) before the holder ends: each call
     runs once, in turn, nothing twice, and the key is not left reserved for nobody (the next call runs)."""
     claim = sha_of(scripts.ACQUIRE)
-    k = new_key()
-    holder = env.slot.delay(k, 0.6, "holder")
-    started(env, k)
-    dup = env.slot.delay(k, 0.1, "dup")
-    wait_until(lambda: in_slot(env, env.slot, k), TIMEOUT, what="the duplicate to wait in its slot")
+    k, holder, dup = _waiting_in_its_slot(env, env.slot, 0.6, 0.1)
     fault(claim)
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
     assert dup.get(timeout=TIMEOUT)["tag"] == "dup"

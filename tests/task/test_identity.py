@@ -334,6 +334,21 @@ class AsyncTimeout(BaseException):
     """Like gevent.Timeout: a BaseException that lands wherever the code happens to be."""
 
 
+def lock_keeping_job(redis_server: RedisServer, fresh_redis: RedisServer) -> tuple:
+    """A task with a 1.5 s lock TTL whose locks live on ``fresh_redis``; it keeps each lock it held: (the
+    task, the list of its locks)."""
+    app = make_app(redis_server)
+    app.conf.singleton_lock_url = fresh_redis.url(2)
+    held_locks: list[Lock] = []
+
+    @locked(app, lock_key=["k"], lock_ttl=1.5)
+    def job(self, k):
+        held_locks.append(self.lock)
+        return k
+
+    return job, held_locks
+
+
 def _renewals_of(mon: Monitor, key: str) -> list[list[str]]:
     return [w for w in mon.commands() if w and w[0].upper() == "EVALSHA" and key in w]
 
@@ -347,15 +362,7 @@ def test_exception_inside_the_release_leaves_the_lock_forgotten(fresh_redis, red
     from billiard.exceptions import SoftTimeLimitExceeded
 
     exc_type = SoftTimeLimitExceeded if fault == "SoftTimeLimitExceeded" else AsyncTimeout
-    app = make_app(redis_server)
-    app.conf.singleton_lock_url = fresh_redis.url(2)
-    held_locks: list[Lock] = []
-
-    @locked(app, lock_key=["k"], lock_ttl=1.5)
-    def job(self, k):
-        held_locks.append(self.lock)
-        return k
-
+    job, held_locks = lock_keeping_job(redis_server, fresh_redis)
     real_release = LockServer.release
     fired = []
 
@@ -390,15 +397,7 @@ def test_exception_before_forget_completes_is_cleaned_up_by_the_safety_net(fresh
     and no renewal is sent after (the watchdog would otherwise renew the lock for ever)."""
     from billiard.exceptions import SoftTimeLimitExceeded
 
-    app = make_app(redis_server)
-    app.conf.singleton_lock_url = fresh_redis.url(2)
-    held_locks: list[Lock] = []
-
-    @locked(app, lock_key=["k"], lock_ttl=1.5)
-    def job(self, k):
-        held_locks.append(self.lock)
-        return k
-
+    job, held_locks = lock_keeping_job(redis_server, fresh_redis)
     real_forget = Watchdog.forget
     fired = []
 

@@ -23,6 +23,7 @@ from _task_support import (
     Runs,
     TaskEvents,
     assert_no_overlap,
+    in_process_worker,
     load_worker_app,
     locked,
     start_worker_process,
@@ -43,8 +44,6 @@ class Env:
 @pytest.fixture(scope="module", params=[("threads", "redis"), ("solo", "redis"), ("threads", "etcd")],
                 ids=lambda p: "-".join(p))
 def env(request, redis_server):
-    from celery.contrib.testing.worker import start_worker
-
     backend, etcd_url = backend_of(request)
     url, store = lock_store(backend, redis_server, etcd_url)
     # a queue of its own: the module's worker must not take the prefork tests' messages
@@ -56,13 +55,7 @@ def env(request, redis_server):
     def make(name, policy, **opts):
         @locked(app, lock_key=["k"], on_duplicate=policy, name=f"dup.{name}", **opts)
         def body(self, k, tag):
-            run = e.runs.begin(k, self.request.id, tag=tag, retries=self.request.retries)
-            try:
-                if tag == "holder":
-                    e.gates.wait(k)
-                return tag
-            finally:
-                e.runs.end(run)
+            return e.runs.gated(k, self.request.id, tag, e.gates, retries=self.request.retries)
 
         return body
 
@@ -73,19 +66,8 @@ def env(request, redis_server):
     e.retry_short_wait = make("retry_short_wait", "retry", lock_max_wait=1.0)
     e.backoff_budget = make("backoff_budget", "backoff", lock_max_retries=2)
     e.backoff_no_own_retries = make("backoff_no_own", "backoff", max_retries=0, lock_max_retries=10_000)
-    with start_worker(app, pool=e.pool, concurrency=4 if e.pool == "threads" else 1, perform_ping_check=False,
-                      loglevel="WARNING", shutdown_timeout=30):
-        try:
-            yield e
-        finally:
-            e.gates.open_all()
-    gc.collect()
-
-
-@pytest.fixture
-def rec(env):
-    with TaskEvents(env.app) as r:
-        yield r
+    with in_process_worker(app, e.gates, pool=e.pool, concurrency=4 if e.pool == "threads" else 1):
+        yield e
 
 
 class EagerHolder(threading.Thread):
@@ -122,42 +104,47 @@ def start_holder(env, task, k):
     return holder
 
 
-def test_skip_is_revoked_at_once_and_never_runs(env, rec):
-    k = f"skip-{uuid.uuid4().hex[:8]}"
-    key = env.skip.lock_key_for((k, "x"), {})
-    holder = start_holder(env, env.skip, k)
-    dup = env.skip.delay(k, "dup")
-    with pytest.raises(TaskRevokedError) as info:
+def refused_duplicate(env, task, prefix: str, raises: type[Exception], state: str):
+    """A gated holder of a new key, running, and a duplicate that failed with ``raises`` and ended in
+    ``state`` while it ran: (the key's name, its lock key, the holder, the duplicate, its exception)."""
+    k = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    key = task.lock_key_for((k, "x"), {})
+    holder = start_holder(env, task, k)
+    dup = task.delay(k, "dup")
+    with pytest.raises(raises) as info:
         dup.get(timeout=TIMEOUT)
     assert not holder.ready()  # answered while the holder still runs: no waiting on it
-    assert dup.state == "REVOKED"
-    assert key in str(info.value) and holder.id in str(info.value), str(info.value)
-    # the holder, named in a structured way too (the result backend rebuilds the error by its class)
-    assert isinstance(info.value, DuplicateSkipped), type(info.value)
-    assert info.value.holder_task_id == holder.id and info.value.key == key
-    [event] = rec.wait_for("duplicate_skipped", task_id=dup.id)
-    assert event.key == key and (event.holder_task_id, event.policy) == (holder.id, "skip")
+    assert dup.state == state
+    return k, key, holder, dup, info.value
+
+
+def holder_ran_alone(env, k: str, holder) -> None:
+    """The holder still runs (its gate is shut); once its gate opens it ends, and no other body of ``k``
+    ran."""
+    assert not holder.ready()
     env.gates.open(k)
     assert holder.get(timeout=TIMEOUT) == "holder"
-    assert [r.task_id for r in env.runs.of(k)] == [holder.id]  # the duplicate's body never ran
+    assert [r.task_id for r in env.runs.of(k)] == [holder.id]
+
+
+def test_skip_is_revoked_at_once_and_never_runs(env, rec):
+    k, key, holder, dup, exc = refused_duplicate(env, env.skip, "skip", TaskRevokedError, "REVOKED")
+    assert key in str(exc) and holder.id in str(exc), str(exc)
+    # the holder, named in a structured way too (the result backend rebuilds the error by its class)
+    assert isinstance(exc, DuplicateSkipped), type(exc)
+    assert exc.holder_task_id == holder.id and exc.key == key
+    [event] = rec.wait_for("duplicate_skipped", task_id=dup.id)
+    assert event.key == key and (event.holder_task_id, event.policy) == (holder.id, "skip")
+    holder_ran_alone(env, k, holder)  # the duplicate's body never ran
     rec.wait_for("lock_released", task_id=holder.id)
     assert env.locks.exists(key) == 0
 
 
 def test_raise_fails_with_duplicate_task(env, rec):
-    k = f"raise-{uuid.uuid4().hex[:8]}"
-    key = env.raise_.lock_key_for((k, "x"), {})
-    holder = start_holder(env, env.raise_, k)
-    dup = env.raise_.delay(k, "dup")
-    with pytest.raises(DuplicateTask) as info:
-        dup.get(timeout=TIMEOUT)
-    assert not holder.ready()
-    assert dup.state == "FAILURE"
-    assert info.value.key == key and info.value.holder_task_id == holder.id
+    k, key, holder, dup, exc = refused_duplicate(env, env.raise_, "raise", DuplicateTask, "FAILURE")
+    assert exc.key == key and exc.holder_task_id == holder.id
     assert rec.wait_for("duplicate_skipped", task_id=dup.id)[0].policy == "raise"
-    env.gates.open(k)
-    assert holder.get(timeout=TIMEOUT) == "holder"
-    assert [r.task_id for r in env.runs.of(k)] == [holder.id]
+    holder_ran_alone(env, k, holder)
 
 
 def test_retry_waits_in_line_and_runs_in_turn_after_the_holder(env, rec):
@@ -200,27 +187,15 @@ def test_a_line_that_does_not_move_ends_in_lock_wait_timeout(env, rec):
     with pytest.raises(LockWaitTimeout) as info:
         dup.get(timeout=TIMEOUT)  # the sweeper times it out once its second in line is over
     assert dup.state == "FAILURE" and info.value.key == key and info.value.max_wait == 1.0
-    assert not holder.ready()
-    env.gates.open(k)
-    assert holder.get(timeout=TIMEOUT) == "holder"
-    assert [r.task_id for r in env.runs.of(k)] == [holder.id]
+    holder_ran_alone(env, k, holder)
 
 
 def test_backoff_budget_exhausted_fails_with_lock_contended(env, rec):
-    k = f"budget-{uuid.uuid4().hex[:8]}"
-    key = env.backoff_budget.lock_key_for((k, "x"), {})
-    holder = start_holder(env, env.backoff_budget, k)
-    dup = env.backoff_budget.delay(k, "dup")
-    with pytest.raises(LockContended) as info:
-        dup.get(timeout=TIMEOUT)
-    assert dup.state == "FAILURE"
-    assert info.value.key == key and info.value.holder_task_id == holder.id
-    assert info.value.attempts == 3  # the first try and lock_max_retries=2 re-sends
+    k, key, holder, dup, exc = refused_duplicate(env, env.backoff_budget, "budget", LockContended, "FAILURE")
+    assert exc.key == key and exc.holder_task_id == holder.id
+    assert exc.attempts == 3  # the first try and lock_max_retries=2 re-sends
     assert [e.policy for e in rec.of("duplicate_skipped", task_id=dup.id)] == ["backoff"] * 3
-    assert not holder.ready()
-    env.gates.open(k)
-    assert holder.get(timeout=TIMEOUT) == "holder"
-    assert [r.task_id for r in env.runs.of(k)] == [holder.id]
+    holder_ran_alone(env, k, holder)
 
 
 def test_backoff_re_sends_do_not_eat_max_retries(env, rec):

@@ -5,7 +5,6 @@ prefork-only paths (time limits, a killed child) are in test_task_crash.py.
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -14,7 +13,7 @@ import uuid
 import pytest
 from _apps import make_app
 from _backends import backend_of, lock_store
-from _task_support import TIMEOUT, Gates, Runs, TaskEvents, locked
+from _task_support import TIMEOUT, Gates, Runs, TaskEvents, in_process_worker, locked
 from celery.exceptions import Ignore, Reject
 from celery.signals import after_task_publish
 
@@ -24,6 +23,11 @@ from celery_singleton_lock.testing.servers import wait_until
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("collect_results")]
 
 
+PICKLED = {"task_serializer": "pickle", "accept_content": ["pickle", "json"], "result_serializer": "json",
+           "result_accept_content": ["json"]}
+"""Messages in pickle: a test sends an argument that cannot be keyed (a complex number)."""
+
+
 class Env:
     """One app, its tasks and one in-process worker, shared by a module's tests (per pool)."""
 
@@ -31,20 +35,10 @@ class Env:
 @pytest.fixture(scope="module", params=[("threads", "redis"), ("solo", "redis"), ("threads", "etcd")],
                 ids=lambda p: "-".join(p))
 def env(request, redis_server):
-    from celery.contrib.testing.worker import start_worker
-
     backend, etcd_url = backend_of(request)
     url, store = lock_store(backend, redis_server, etcd_url)
-    app = make_app(
-        redis_server,
-        singleton_lock_url=url,
-        task_default_queue=f"q-{uuid.uuid4().hex[:8]}",  # a queue of its own (module-wide worker)
-        # pickle lets a test send an argument that cannot be keyed (a complex number)
-        task_serializer="pickle",
-        accept_content=["pickle", "json"],
-        result_serializer="json",
-        result_accept_content=["json"],
-    )
+    # a queue of its own (module-wide worker)
+    app = make_app(redis_server, singleton_lock_url=url, task_default_queue=f"q-{uuid.uuid4().hex[:8]}", **PICKLED)
     e = Env()
     e.app, e.pool, e.runs, e.gates, e.backend = app, request.param[0], Runs(), Gates(), backend
     e.locks = store
@@ -95,19 +89,8 @@ def env(request, redis_server):
             runs.end(run)
 
     e.path, e.auto, e.requeue = path, auto, requeue
-    with start_worker(
-        app, pool=e.pool, concurrency=4 if e.pool == "threads" else 1, perform_ping_check=False,
-        loglevel="WARNING", shutdown_timeout=30,
-    ):
+    with in_process_worker(app, e.gates, pool=e.pool, concurrency=4 if e.pool == "threads" else 1):
         yield e
-    e.gates.open_all()
-    gc.collect()  # AsyncResult.__del__ unsubscribes: let it while the server is up
-
-
-@pytest.fixture
-def rec(env):
-    with TaskEvents(env.app) as r:
-        yield r
 
 
 def fresh_key() -> str:
@@ -169,16 +152,23 @@ def test_exit_path_with_result(env, rec, mode, state, value):
     assert_free_then_fresh_runs(env, rec, env.path, k)
 
 
-def test_exit_path_autoretry_for(env, rec):
-    k = fresh_key()
-    result = env.auto.delay(k)
-    assert result.get(timeout=TIMEOUT) == "auto ok"
-    assert len(env.runs.of(k, result.id)) == 2
-    assert_released_once_per_run(env, rec, result.id)
+@pytest.mark.parametrize("task, value, states, order", [
     # sorted: in the threads pool the second run may take the key the instant the first run's
     # release frees it and report its own release before the first run's signal is recorded
-    assert sorted(e.kwargs["state"] for e in rec.of("lock_released", task_id=result.id)) == ["RETRY", "SUCCESS"]
-    assert_free_then_fresh_runs(env, rec, env.auto, k)
+    ("auto", "auto ok", ["RETRY", "SUCCESS"], sorted),
+    # Reject(requeue=True): the lock is let go, and the requeued message (same id) runs
+    ("requeue", "requeued", ["REJECTED", "SUCCESS"], list),
+])
+def test_exit_path_whose_message_runs_twice(env, rec, task, value, states, order):
+    """autoretry_for (the first run fails: RETRY), and Reject(requeue=True) (the first run: REJECTED):
+    each run released its own lock, once, and a fresh call then runs at once."""
+    k = fresh_key()
+    result = getattr(env, task).delay(k)
+    assert result.get(timeout=TIMEOUT) == value
+    assert len(env.runs.of(k, result.id)) == 2
+    assert_released_once_per_run(env, rec, result.id)
+    assert order(e.kwargs["state"] for e in rec.of("lock_released", task_id=result.id)) == states
+    assert_free_then_fresh_runs(env, rec, getattr(env, task), k)
 
 
 @pytest.mark.parametrize("mode, postrun_state", [("ignore", "IGNORED"), ("reject", "REJECTED")])
@@ -196,17 +186,6 @@ def test_exit_path_ignore_and_reject(env, rec, mode, postrun_state):
     else:  # Celery stores Reject(requeue=False) as FAILURE
         assert wait_until(lambda: result.state != "PENDING" and result.state, TIMEOUT) == "FAILURE"
     assert_free_then_fresh_runs(env, rec, env.path, k)
-
-
-def test_exit_path_reject_requeue(env, rec):
-    """Reject(requeue=True): the lock is let go, and the requeued message (same id) runs."""
-    k = fresh_key()
-    result = env.requeue.delay(k)
-    assert result.get(timeout=TIMEOUT) == "requeued"
-    assert len(env.runs.of(k, result.id)) == 2
-    assert_released_once_per_run(env, rec, result.id)
-    assert [e.kwargs["state"] for e in rec.of("lock_released", task_id=result.id)] == ["REJECTED", "SUCCESS"]
-    assert_free_then_fresh_runs(env, rec, env.requeue, k)
 
 
 def test_exception_in_before_start_fails_task_and_worker_lives_on(env, rec):

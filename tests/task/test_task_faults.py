@@ -42,7 +42,7 @@ from _task_support import TIMEOUT, Runs, TaskEvents, assert_no_overlap, locked
 from celery import chain, chord, group
 from celery.signals import task_failure, task_prerun, task_retry
 
-from celery_singleton_lock import LockBackendRefused, LockBackendUnavailable, LockKeyError, lock_lost
+from celery_singleton_lock import LockBackendRefused, LockBackendUnavailable, LockKeyError
 from celery_singleton_lock.engine import timing
 from celery_singleton_lock.engine.lock import Lock
 from celery_singleton_lock.engine.server import LockServer
@@ -354,15 +354,16 @@ def test_release_refused_by_redis_keeps_the_success(redis_server, run_worker, ca
         return f"done {k}"
 
     try:
-        with TaskEvents(app) as rec, catching(lock_lost, app) as lost, run_worker(app, pool="threads"):
+        with TaskEvents(app) as rec, run_worker(app, pool="threads"):
             result = clobbered.delay("x")
             assert result.get(timeout=TIMEOUT) == "done x"
             [released] = rec.wait_for("lock_released", task_id=result.id)
         assert result.state == "SUCCESS"
         assert (released.kwargs["state"], released.kwargs["deleted"]) == ("SUCCESS", False)
         assert records(caplog, LOGGER, clobbered_keys[0], "WRONGTYPE", level=logging.WARNING), caplog.text
-        assert [e["task_id"] for e in lost] == [result.id], lost
-        assert "release" in lost[0]["reason"], lost[0]["reason"]
+        lost = rec.of("lock_lost")
+        assert [e.task_id for e in lost] == [result.id], lost
+        assert "release" in lost[0].kwargs["reason"], lost[0].kwargs["reason"]
     finally:
         if clobbered_keys:
             locks.delete(*clobbered_keys)
@@ -419,12 +420,13 @@ def http_port() -> Iterator[int]:
             pass
 
 
-def run_refused(redis_server, run_worker, lock_url: str):
-    """One task against a lock Redis that refuses: (result, its exception, retries, RETRY stores, runs)."""
-    app = app_on(redis_server, lock_url, singleton_lock_max_retries=3)
+def run_guarded(redis_server, run_worker, lock_url: str, raises: type[Exception], name: str, **conf):
+    """One task against a lock Redis that cannot take its lock: (result, its exception (``raises``), the
+    task_retry signals, the result backend's commands that name the task, runs)."""
+    app = app_on(redis_server, lock_url, **conf)
     runs = Runs()
 
-    @locked(app, name="faults.refused")
+    @locked(app, name=f"faults.{name}")
     def guarded(self, x):
         runs.begin(str(x), self.request.id)
         return x
@@ -432,12 +434,19 @@ def run_refused(redis_server, run_worker, lock_url: str):
     with catching(task_retry, app) as retries, Monitor(redis_server, db=1) as mon, \
             run_worker(app, pool="threads", concurrency=2):
         result = guarded.delay(1)
-        with pytest.raises(LockBackendRefused) as info:
+        with pytest.raises(raises) as info:
             result.get(timeout=TIMEOUT)
         mon.sync()
         stored = [w for w in mon.commands() if any(result.id in arg for arg in w)]
+    return result, info.value, retries, stored, runs
+
+
+def run_refused(redis_server, run_worker, lock_url: str):
+    """One task against a lock Redis that refuses: (result, its exception, retries, RETRY stores, runs)."""
+    result, exc, retries, stored, runs = run_guarded(redis_server, run_worker, lock_url, LockBackendRefused,
+                                                     "refused", singleton_lock_max_retries=3)
     retry_stores = [w for w in stored if any('"RETRY"' in arg for arg in w)]
-    return result, info.value, retries, retry_stores, runs
+    return result, exc, retries, retry_stores, runs
 
 
 @pytest.mark.timeout(60)
@@ -472,22 +481,9 @@ def test_a_server_that_is_not_redis_fails_at_once_and_says_so(redis_server, run_
 def test_unreachable_lock_redis_is_retried_as_unreachable_not_as_busy(redis_server, run_worker, caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
     url = f"redis://127.0.0.1:{free_port()}/2"  # nothing listens there
-    app = app_on(redis_server, url, singleton_lock_max_retries=1,
-                 singleton_lock_redis_options={"socket_connect_timeout": 1})
-    runs = Runs()
-
-    @locked(app, name="faults.unreachable")
-    def guarded(self, x):
-        runs.begin(str(x), self.request.id)
-        return x
-
-    with catching(task_retry, app) as retries, Monitor(redis_server, db=1) as mon, \
-            run_worker(app, pool="threads", concurrency=2):
-        result = guarded.delay(1)
-        with pytest.raises(LockBackendUnavailable):
-            result.get(timeout=TIMEOUT)
-        mon.sync()
-        stored = [w for w in mon.commands() if any(result.id in arg for arg in w)]
+    result, _, retries, stored, runs = run_guarded(
+        redis_server, run_worker, url, LockBackendUnavailable, "unreachable", singleton_lock_max_retries=1,
+        singleton_lock_redis_options={"socket_connect_timeout": 1})
     [retry] = retries
     reason = str(retry["reason"])
     assert "unreachable" in reason and "busy" not in reason, reason

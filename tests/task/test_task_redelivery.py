@@ -19,7 +19,6 @@ write STARTED over the holder's state.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import uuid
@@ -27,7 +26,7 @@ import uuid
 import pytest
 from _apps import make_app
 from _backends import BACKENDS, backend_of, lock_store
-from _task_support import RESTORE_FAST, TIMEOUT, Gates, Runs, TaskEvents, locked, redeliver
+from _task_support import RESTORE_FAST, TIMEOUT, Gates, Runs, in_process_worker, locked, redeliver
 
 from celery_singleton_lock.engine import line as lines
 from celery_singleton_lock.testing.servers import wait_until
@@ -41,8 +40,6 @@ class Env:
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def env(request, redis_server):
-    from celery.contrib.testing.worker import start_worker
-
     backend, etcd_url = backend_of(request)
     url, store = lock_store(backend, redis_server, etcd_url)
     queue = f"q-{uuid.uuid4().hex[:8]}"
@@ -72,19 +69,8 @@ def env(request, redis_server):
     e.late = locked(app, lock_key=["k"], acks_late=True, name="redeliv.late")(body)
     e.late_skip = locked(app, lock_key=["k"], acks_late=True, on_duplicate="skip", name="redeliv.late_skip")(body)
     e.late_raise = locked(app, lock_key=["k"], acks_late=True, on_duplicate="raise", name="redeliv.late_raise")(body)
-    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, loglevel="WARNING",
-                      shutdown_timeout=30):
-        try:
-            yield e
-        finally:
-            e.gates.open_all()
-    gc.collect()
-
-
-@pytest.fixture
-def rec(env):
-    with TaskEvents(env.app) as r:
-        yield r
+    with in_process_worker(app, e.gates):
+        yield e
 
 
 @pytest.fixture

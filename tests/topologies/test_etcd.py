@@ -13,7 +13,7 @@ import time
 import uuid
 
 import pytest
-from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd
+from _etcd_servers import running_etcd
 
 from celery_singleton_lock import held
 from celery_singleton_lock.engine.lock import Forced, Holder, Lock, Release
@@ -215,13 +215,8 @@ def test_held_on_etcd_waits_by_polling_and_is_renewed(etcd_server):
 
 @pytest.fixture
 def etcd_cluster():
-    if find_etcd() is None:
-        pytest.skip(NO_ETCD)
-    cluster = EtcdCluster(members=3).start()
-    try:
+    with running_etcd(members=3) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.mark.slow
@@ -269,17 +264,12 @@ def test_an_attempt_whose_reply_was_lost_is_taken_back_never_left_behind(etcd_se
 
 @pytest.fixture
 def etcd_with_auth():
-    if find_etcd() is None:
-        pytest.skip(NO_ETCD)
-    cluster = EtcdCluster(members=1).start()
-    member = cluster.members[0]
-    try:
+    with running_etcd(members=1) as cluster:
+        member = cluster.members[0]
         assert member.post("/v3/auth/user/add", {"name": "root", "password": "s3cret"}) is not None
         assert member.post("/v3/auth/user/grant", {"user": "root", "role": "root"}) is not None
         assert member.post("/v3/auth/enable", {}) is not None
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_auth_user_and_password_and_a_wrong_password_is_refused_without_showing_it(etcd_with_auth):

@@ -15,8 +15,9 @@ import time
 import uuid
 
 import pytest
-from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd, wait_healthy
+from _etcd_servers import running_etcd, wait_healthy
 from _task_support import assert_no_overlap, load_worker_app, start_worker_process
+from _topology_support import each_body_once, every_call_ends, every_call_succeeded
 
 from celery_singleton_lock.engine import line as lines
 from celery_singleton_lock.exceptions import LockError
@@ -28,15 +29,8 @@ pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(300)]
 
 @pytest.fixture
 def cluster():
-    if find_etcd() is None:
-        pytest.skip(NO_ETCD)
-    started = EtcdCluster(members=3).start()
-    try:
+    with running_etcd(members=3) as started:
         yield started
-    finally:
-        for member in started.members:
-            member.resume()  # never leave a paused process behind
-        started.stop()
 
 
 def test_real_workers_on_three_members_through_a_leader_kill_and_a_pause(cluster, redis_server, tmp_path):
@@ -78,29 +72,16 @@ def test_real_workers_on_three_members_through_a_leader_kill_and_a_pause(cluster
         faults.append(f"resume {paused.name}")
         wait_healthy(cluster)
         send_for(2.0)
-        try:
-            wait_until(lambda: all(c.state in ("SUCCESS", "FAILURE", "REVOKED") for c in calls), 120, 0.2,
-                       "every call to end")
-        except TimeoutError:
-            raise AssertionError(f"not ended: {[(c.id, c.state) for c in calls if not c.ready()][:10]}; "
-                                 f"faults: {faults}") from None
+        every_call_ends(calls, faults)
     finally:
         for member in cluster.members:
             member.resume()
         for w in nodes:
             w.stop()
-    assert [c.state for c in calls].count("SUCCESS") == len(calls), \
-        [(c.id, c.state, c.result) for c in calls if c.state != "SUCCESS"][:10]
+    every_call_succeeded(calls)
     ran = 0
     for k in keys:
-        events = [json.loads(x) for x in wa.journal.lrange(f"journaled:{k}", 0, -1)]
-        starts = [e for e in events if e["event"] == "start"]
-        ends = {e["id"]: e for e in events if e["event"] == "end"}
-        assert len({e["id"] for e in starts}) == len(starts), f"{k}: a body ran twice"
-        assert set(ends) == {e["id"] for e in starts}, f"{k}: every body that started ended"
-        assert_no_overlap([(e["at"], ends[e["id"]]["at"]) for e in starts], f"bodies of {k}")
-        fences = [e["fence"] for e in sorted(starts, key=lambda e: e["at"])]
-        assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), f"{k}: fencing tokens rise: {fences}"
+        starts, _ = each_body_once(wa, k)
         ran += len(starts)
     assert ran == len(calls)  # every call's body ran, once
     print(f"\n[etcd cluster] {len(calls)} calls on {len(keys)} keys; faults: {faults}")

@@ -13,7 +13,7 @@ import time
 import uuid
 
 import pytest
-from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd
+from _etcd_servers import running_etcd
 
 from celery_singleton_lock.engine import layout
 from celery_singleton_lock.engine import line as lines
@@ -32,11 +32,8 @@ MESSAGE = b"application/json\nutf-8\n{}"
 def own_etcd():
     """A member of this module's own: no other test's sweeper (they sweep every line of their etcd)
     hands these lines on."""
-    if find_etcd() is None:
-        pytest.skip(NO_ETCD)
-    cluster = EtcdCluster(members=1).start()
-    yield cluster
-    cluster.stop()
+    with running_etcd(members=1) as cluster:
+        yield cluster
 
 
 @pytest.fixture
@@ -124,7 +121,9 @@ def test_the_sweeper_moves_a_line_whose_holder_died_and_times_out_a_waiter_past_
     [session] = other.sessions()
     session.revoke(other.transport)  # the holder's process died: its lease, and the lock, are gone
     assert server.holder(name) is None
-    time.sleep(0.25)  # past "hasty"'s deadline (a clock the waiter carries)
+    # until "hasty"'s deadline has passed (a clock the waiter carries: this host's, ms), as read from its record
+    [deadline_ms] = [w.record.deadline_ms for w in server.waiting.records(name)[0] if w.record.owner == "hasty"]
+    wait_until(lambda: time.time() * 1000 > deadline_ms, 5, 0.01, '"hasty"\'s deadline to pass')
     made = server.waiting.sweep_all(lambda key: True)
     assert made == 1
     assert sorted((h.what, h.owner_id) for h in server.sent) == [("expired", "hasty"), ("run", "patient")]

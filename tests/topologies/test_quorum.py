@@ -20,7 +20,8 @@ import uuid
 from contextlib import ExitStack
 
 import pytest
-from _task_support import assert_no_overlap, load_worker_app, start_worker_process
+from _task_support import load_worker_app, start_worker_process
+from _topology_support import each_body_once, every_call_ends, every_call_succeeded
 from celery import Celery
 
 from celery_singleton_lock import LockBackendUnavailable, LockedTask, LockLost, held
@@ -464,29 +465,16 @@ def test_jepsen_real_workers_on_five_members_with_random_faults(masters, redis_s
             faults.step()
             time.sleep(rng.uniform(0.2, 0.6))
         faults.heal()
-        try:
-            wait_until(lambda: all(c.state in ("SUCCESS", "FAILURE", "REVOKED") for c in calls), 120, 0.2,
-                       "every call to end")
-        except TimeoutError:
-            raise AssertionError(f"not ended: {[(c.id, c.state) for c in calls if not c.ready()][:10]}; "
-                                 f"faults: {faults.log}") from None
+        every_call_ends(calls, faults.log)
     finally:
         faults.heal()
         for w in nodes:
             w.stop()
-    assert [c.state for c in calls].count("SUCCESS") == len(calls), \
-        [(c.id, c.state, c.result) for c in calls if c.state != "SUCCESS"][:10]
+    every_call_succeeded(calls)
     refusals = [json.loads(x) for x in wa.journal.lrange("handoff:parks", 0, -1)]
     ended_at: dict[str, float] = {}
     for k in keys:
-        events = [json.loads(x) for x in wa.journal.lrange(f"journaled:{k}", 0, -1)]
-        starts = [e for e in events if e["event"] == "start"]
-        ends = {e["id"]: e for e in events if e["event"] == "end"}
-        assert len({e["id"] for e in starts}) == len(starts), f"{k}: a body ran twice"
-        assert set(ends) == {e["id"] for e in starts}, f"{k}: every body that started ended"
-        assert_no_overlap([(e["at"], ends[e["id"]]["at"]) for e in starts], f"bodies of {k}")
-        fences = [e["fence"] for e in sorted(starts, key=lambda e: e["at"])]
-        assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), f"{k}: fencing tokens rise: {fences}"
+        _, ends = each_body_once(wa, k)
         ended_at.update({i: e["at"] for i, e in ends.items()})
     stale = [r for r in refusals if r["holder"] in ended_at and r["at"] > ended_at[r["holder"]] + 3.0]
     assert not stale, f"{len(stale)} refused because of a finished task's lock: {stale[:3]}; faults {faults.log}"

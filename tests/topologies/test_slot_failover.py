@@ -126,6 +126,19 @@ def _check(env, key: str, calls: list, quiet_until: float, end: float = END) -> 
     return done
 
 
+def _held_with_waiters_in_slots(env, count: int, seconds: float, *, in_slot: int, hold: float = 0.0,
+                                gated: bool = False) -> tuple[str, list]:
+    """A holder of a new key for ``hold`` s (``gated``: until the journal has ``gate:<key>``), started,
+    and ``count`` duplicates of ``seconds``, ``in_slot`` of them waiting in their worker slots: the key,
+    and the calls with their tags (for :func:`_check`)."""
+    k = uuid.uuid4().hex[:12]
+    holder = env.app.slot_long.delay(k, hold, "holder", gate=f"gate:{k}" if gated else "")
+    wait_until(lambda: _entries(env, "started", k), TIMEOUT, 0.02, "the holder to start")
+    dups = [env.app.slot_long.delay(k, seconds, f"d{i}") for i in range(count)]
+    wait_until(lambda: _in_slot(env, k, in_slot), TIMEOUT, 0.02, f"{in_slot} duplicates to wait in their slots")
+    return k, [(holder, "holder"), *((d, f"d{i}") for i, d in enumerate(dups))]
+
+
 def _replica_promoted(candidates) -> bool:
     for server in candidates:
         try:
@@ -146,16 +159,10 @@ def test_slot_waiters_across_an_unplanned_failover_with_min_replicas_each_run_on
     (a second failover ~2 s after the first: the new master then has no replica for a while), woken
     waiters' claims go unacknowledged, and the calls are lost as in the last test below."""
     with deployment(tmp_path, min_replicas=1) as env:
-        app = env.app
-        k = uuid.uuid4().hex[:12]
-        holder = app.slot_long.delay(k, 3.0, "holder")
-        wait_until(lambda: _entries(env, "started", k), TIMEOUT, 0.02, "the holder to start")
-        dups = [app.slot_long.delay(k, 0.5, f"d{i}") for i in range(4)]
-        wait_until(lambda: _in_slot(env, k, 3), TIMEOUT, 0.02, "three duplicates to wait in their slots")
+        k, calls = _held_with_waiters_in_slots(env, 4, 0.5, in_slot=3, hold=3.0)
         env.dep.kill_master()
         killed_at = time.time()
-        _check(env, k, [(holder, "holder"), *((d, f"d{i}") for i, d in enumerate(dups))],
-               quiet_until=killed_at + TTL + 3, end=30)
+        _check(env, k, calls, quiet_until=killed_at + TTL + 3, end=30)
 
 
 @pytest.mark.slow
@@ -172,22 +179,15 @@ def test_a_release_in_a_planned_failovers_promotion_window_runs_each_slot_waiter
     woken there and claims the key there, its claim acknowledged (WAIT 1) by the other replica, which
     still replicates the old master. Each call must still run once, with no two bodies overlapping."""
     with deployment(tmp_path, min_replicas=1) as env:
-        app = env.app
-        k = uuid.uuid4().hex[:12]
-        gate = f"gate:{k}"
-        holder = app.slot_long.delay(k, 0.0, "holder", gate=gate)
-        wait_until(lambda: _entries(env, "started", k), TIMEOUT, 0.02, "the holder to start")
-        dups = [app.slot_long.delay(k, 1.0, f"d{i}") for i in range(4)]
-        wait_until(lambda: _in_slot(env, k, 2), TIMEOUT, 0.02, "duplicates to wait in their slots")
+        k, calls = _held_with_waiters_in_slots(env, 4, 1.0, in_slot=2, gated=True)
         candidates = env.dep.replicas
         wait_until(env.dep._settled, 30, 0.1, "the Sentinels to see a replica fit to promote")
         with env.dep.sentinels[0].client(socket_timeout=2) as s:
             s.execute_command("SENTINEL", "FAILOVER", env.dep.master_name)
         wait_until(lambda: _replica_promoted(candidates), 20, 0.002, "a replica to take the master role")
-        env.journal.set(gate, 1)  # the holder ends now: its release goes to the old master
+        env.journal.set(f"gate:{k}", 1)  # the holder ends now: its release goes to the old master
         opened = time.time()
-        _check(env, k, [(holder, "holder"), *((d, f"d{i}") for i, d in enumerate(dups))],
-               quiet_until=opened + TTL + 4)
+        _check(env, k, calls, quiet_until=opened + TTL + 4)
 
 
 @pytest.mark.slow
@@ -199,21 +199,14 @@ def test_a_slot_waiters_claim_the_replicas_do_not_acknowledge_in_time_runs_it_on
     not acknowledged in time, so the lock is given back and the call sent again (as the docs say:
     "the task does not run unlocked"). Each call must still run once."""
     with deployment(tmp_path, min_replicas=1) as env:
-        app = env.app
-        k = uuid.uuid4().hex[:12]
-        gate = f"gate:{k}"
-        holder = app.slot_long.delay(k, 0.0, "holder", gate=gate)
-        wait_until(lambda: _entries(env, "started", k), TIMEOUT, 0.02, "the holder to start")
-        dups = [app.slot_long.delay(k, 0.3, f"d{i}") for i in range(3)]
-        wait_until(lambda: _in_slot(env, k, 2), TIMEOUT, 0.02, "duplicates to wait in their slots")
+        k, calls = _held_with_waiters_in_slots(env, 3, 0.3, in_slot=2, gated=True)
         frozen = env.dep.replicas
         for server in frozen:
             server.pause()
         try:
-            env.journal.set(gate, 1)  # the holder ends: its release wakes the first slot waiter
+            env.journal.set(f"gate:{k}", 1)  # the holder ends: its release wakes the first slot waiter
             time.sleep(1.2)
         finally:
             for server in frozen:
                 server.resume()
-        _check(env, k, [(holder, "holder"), *((d, f"d{i}") for i, d in enumerate(dups))],
-               quiet_until=time.time() + 3)
+        _check(env, k, calls, quiet_until=time.time() + 3)
