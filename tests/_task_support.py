@@ -143,6 +143,42 @@ class Runs:
         )
 
 
+class EagerLine:
+    """An eager "retry" task on ``app``: a "holder" call (in a thread) holds the key until :meth:`let_go`,
+    and a "waiter" call (in another thread) is parked behind it in the line (``lines``: a client of the
+    lock Redis's db); ``ran`` lists (tag, monotonic time) of each body's start."""
+
+    def __init__(self, app, lines, prefix: str) -> None:
+        self.gate, began = threading.Event(), threading.Event()
+        self.ran: list[tuple[str, float]] = []
+
+        @locked(app, lock_key=["k"], on_duplicate="retry", lock_max_wait=30)
+        def eager_line(task, k, tag):
+            self.ran.append((tag, time.monotonic()))
+            if tag == "holder":
+                began.set()
+                assert self.gate.wait(TIMEOUT)
+            return tag
+
+        k = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        self.holder = threading.Thread(target=lambda: eager_line.apply((k, "holder")), daemon=True)
+        self.holder.start()
+        assert began.wait(TIMEOUT)
+        self.waiter: dict[str, Any] = {}
+        self.thread = threading.Thread(target=lambda: self.waiter.setdefault("r", eager_line.apply((k, "waiter"))),
+                                       daemon=True)
+        self.thread.start()
+        key = eager_line.lock_key_for((k, "x"), {})
+        wait_until(lambda: lines.llen(key + ":q") == 1, TIMEOUT, what="the waiter to park")
+
+    def let_go(self) -> Any:
+        """The holder ends; the waiter's result, once it ended."""
+        self.gate.set()
+        self.thread.join(TIMEOUT)
+        self.holder.join(TIMEOUT)
+        return self.waiter["r"]
+
+
 def assert_no_overlap(intervals: list[tuple[float, float]], what: str = "runs") -> None:
     """No two [start, end] intervals overlap (they are sorted here)."""
     ordered = sorted(intervals)

@@ -19,6 +19,7 @@ from _apps import make_app
 from _backends import backend_of, lock_store
 from _task_support import (
     TIMEOUT,
+    EagerLine,
     Gates,
     Runs,
     TaskEvents,
@@ -369,30 +370,9 @@ def test_eager_duplicate_policies(app, redis_server, policy):
 
 def test_eager_retry_is_handed_the_key_by_the_release(app, redis_server):
     """An eager "retry" duplicate blocks in line and is woken by the holder's release, not by polling."""
-    gate, started = threading.Event(), threading.Event()
-    ran = []
-
-    @locked(app, lock_key=["k"], on_duplicate="retry", lock_max_wait=30)
-    def eager_line(self, k, tag):
-        ran.append((tag, time.monotonic()))
-        if tag == "holder":
-            started.set()
-            assert gate.wait(TIMEOUT)
-        return tag
-
-    k = f"eager-line-{uuid.uuid4().hex[:8]}"
-    holder = threading.Thread(target=lambda: eager_line.apply((k, "holder")), daemon=True)
-    holder.start()
-    assert started.wait(TIMEOUT)
-    waiter = {}
-    t = threading.Thread(target=lambda: waiter.setdefault("r", eager_line.apply((k, "waiter"))), daemon=True)
-    t.start()
-    key = eager_line.lock_key_for((k, "x"), {})
-    wait_until(lambda: redis_server.client(2).llen(key + ":q") == 1, TIMEOUT, what="the waiter to park")
+    line = EagerLine(app, redis_server.client(2), "eager-line")
     released_at = time.monotonic()
-    gate.set()
-    t.join(TIMEOUT)
-    holder.join(TIMEOUT)
-    assert waiter["r"].get() == "waiter"
+    assert line.let_go().get() == "waiter"
+    ran = line.ran
     assert [tag for tag, _ in ran] == ["holder", "waiter"]
     assert ran[1][1] - released_at < 2.0  # woken by the release (the holder's ttl is 30 s)

@@ -4,18 +4,17 @@ with back-off (RETRY) and, once lock_max_retries is spent, FAILS with LockBacken
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
 import pytest
 from _apps import make_app
 from _fault_proxy import FaultProxy
-from _task_support import TIMEOUT, Runs, locked
+from _task_support import TIMEOUT, EagerLine, Runs, locked
 from celery.signals import task_retry
 
 from celery_singleton_lock import LockBackendUnavailable, LockError
-from celery_singleton_lock.testing.servers import free_port, wait_until
+from celery_singleton_lock.testing.servers import free_port
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("collect_results")]
 
@@ -118,33 +117,10 @@ def test_an_eager_run_waiting_in_line_rides_out_a_blip(redis_server):
     proxy = FaultProxy(redis_server.port)
     try:
         app = make_app(redis_server, singleton_lock_url=proxy.url(2), singleton_lock_eager_timeout=20.0)
-        gate, began = threading.Event(), threading.Event()
-        ran: list[str] = []
-
-        @locked(app, lock_key=["k"], on_duplicate="retry", lock_max_wait=30)
-        def eager_line(self, k, tag):
-            ran.append(tag)
-            if tag == "holder":
-                began.set()
-                assert gate.wait(TIMEOUT)
-            return tag
-
-        k = f"eager-blip-{uuid.uuid4().hex[:8]}"
-        holder = threading.Thread(target=lambda: eager_line.apply((k, "holder")), daemon=True)
-        holder.start()
-        assert began.wait(TIMEOUT)
-        waiter: dict = {}
-        t = threading.Thread(target=lambda: waiter.setdefault("r", eager_line.apply((k, "waiter"))), daemon=True)
-        t.start()
-        line = redis_server.client(2)
-        key = eager_line.lock_key_for((k, "x"), {})
-        wait_until(lambda: line.llen(key + ":q") == 1, TIMEOUT, what="the waiter to park")
+        line = EagerLine(app, redis_server.client(2), "eager-blip")
         proxy.blackout(1.0)
         time.sleep(1.2)  # (the fault itself: the blip lasts 1 s, while the waiter waits)
-        gate.set()
-        t.join(TIMEOUT)
-        holder.join(TIMEOUT)
-        assert waiter["r"].get(timeout=TIMEOUT) == "waiter"
-        assert ran == ["holder", "waiter"]
+        assert line.let_go().get(timeout=TIMEOUT) == "waiter"
+        assert [tag for tag, _ in line.ran] == ["holder", "waiter"]
     finally:
         proxy.close()
