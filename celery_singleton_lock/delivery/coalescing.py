@@ -27,7 +27,6 @@ minutes) settles the calls it took at its start, less those stored as REVOKED si
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
@@ -37,7 +36,7 @@ from celery.signals import task_failure
 from celery.states import FAILURE, REVOKED, SUCCESS
 from kombu.serialization import loads
 
-from ..engine import dedupe, layout
+from ..engine import dedupe, kept, layout
 from ..exceptions import LockError
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -91,29 +90,15 @@ def settle(task: Any, request: Any, state: str | None, value: Any = None, exc: B
                 resend.append(call)  # not covered: it goes again, as it was
         except Exception:
             logger.exception("lock %s: settling the merged call %s failed", key, _id(call))
-    _forget(server, key, owner, sent_again=bool(resend))
+    try:  # before they are sent again it is tried harder: a call sent again that found its old record
+        # would count itself merged into this finished run, and wait for ever; a settled call's record
+        # only has to expire (its redelivery stays merged, covered)
+        kept.tried(lambda rid: dedupe.drop_merged(server, key, owner, sent_again=bool(resend), request_id=rid),
+                   tries=5 if resend else 1)
+    except LockError as exc:
+        logger.warning("lock %s: the merged calls of %s stay until they expire: %s", key, owner, exc)
     for call in resend:
         task.app.signature(call).apply_async()
-
-
-FORGET_TRIES = 5
-"""Tries at forgetting merged calls about to be sent again, 0.25 s, 0.5 s, 1 s, 2 s apart."""
-
-
-def _forget(server: Any, key: str, owner: str, *, sent_again: bool) -> None:
-    """Forget the calls merged into ``owner``. Before they are sent again it is tried harder: a call sent
-    again that found its old record would count itself merged into this finished run, and wait for
-    ever. A settled call's record only has to expire (its redelivery stays merged, covered)."""
-    tries = FORGET_TRIES if sent_again else 1
-    for attempt in range(tries):
-        try:
-            dedupe.drop_merged(server, key, owner, sent_again=sent_again)
-            return
-        except LockError as exc:
-            if attempt + 1 == tries:
-                logger.warning("lock %s: the merged calls of %s stay until they expire: %s", key, owner, exc)
-            else:
-                time.sleep(0.25 * 2 ** attempt)
 
 
 def fail_all(task: Any, server: Any, key: str, owner: str, exc: BaseException) -> None:

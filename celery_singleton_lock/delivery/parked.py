@@ -10,9 +10,10 @@ from typing import Any, NoReturn
 
 from celery.exceptions import Ignore
 
+from ..engine import kept
 from ..engine import line as queue
 from ..engine.backend import LockBackend
-from ..exceptions import LockBackendUnavailable, LockWaitTimeout
+from ..exceptions import LockWaitTimeout
 from ..results import WAITING
 from ..signals import duplicate_skipped
 from . import config, handoff
@@ -30,26 +31,11 @@ def wait_left(request: Any, settings: config.LockSettings, server: LockBackend, 
         wait -= time.time() - parked_at
         if wait <= 0:
             if entry:  # the line moves on
-                _leave(server, key, entry)
+                # tried again in place: a call that failed with its place still in line would be handed
+                # the key in its turn, and run after its failure
+                kept.tried(lambda rid: queue.leave(server, key, entry, rid))
             raise LockWaitTimeout(key, settings.max_wait)
     return wait
-
-
-LEAVE_TRIES = 3
-
-
-def _leave(server: LockBackend, key: str, entry: str) -> None:
-    """Give up the place, trying again on a broken connection (0.25 s, then 0.5 s later): a call that
-    failed with its place still in line would be handed the key in its turn, and run after its failure.
-    A LEAVE whose answer was lost did its work: the next finds the place gone, and answers the same."""
-    for attempt in range(LEAVE_TRIES):
-        try:
-            queue.leave(server, key, entry)
-            return
-        except LockBackendUnavailable:
-            if attempt + 1 == LEAVE_TRIES:
-                raise
-            time.sleep(0.25 * 2 ** attempt)
 
 
 def ends_waiting(task: Any, request: Any, key: str, place: int, holder_id: str | None, entry: str | None, same: bool,

@@ -123,11 +123,12 @@ def merged_calls(server: LockServer, name: str, owner: str) -> list[bytes]:
     return [bytes(m) for m in server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("",))]
 
 
-def drop_merged(server: LockServer, name: str, owner: str, *, sent_again: bool = False) -> None:
+def drop_merged(server: LockServer, name: str, owner: str, *, sent_again: bool = False, request_id: str = "") -> None:
     """Forget the calls merged into ``owner``: its run has settled them, or (``sent_again``) they were
-    published again as they were, and a copy of one must not find itself merged still."""
+    published again as they were, and a copy of one must not find itself merged still.
+    ``request_id``: see :func:`.kept.tried`."""
     key = slot_safe(name)
-    server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("2" if sent_again else "1",))
+    server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("2" if sent_again else "1",), request_id=request_id)
 
 # Each call of these is safe to send twice: its reply is kept under its request id (engine/kept.py).
 PUBLISH, UNMARK, TAKE_MERGED = map(kept, (PUBLISH, UNMARK, TAKE_MERGED))

@@ -22,6 +22,15 @@ release tries again with ``again``, a full RELEASE that knows its first try (see
 
 from __future__ import annotations
 
+import secrets
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from ..exceptions import LockBackendUnavailable
+
+T = TypeVar("T")
+
 KEEP_MS = 30_000
 """How long a reply is kept (ms): the client's second send comes within its connect timeout."""
 
@@ -61,3 +70,17 @@ def as_is(script: str) -> str:
 def may_resend(script: str) -> bool:
     """Whether the client may send ``script`` again after its connection broke mid-call."""
     return script in KEPT or script in AS_IS
+
+
+def tried(call: Callable[[str], T], tries: int = 3) -> T:
+    """``call(request_id)``, sent again while the connection is broken (LockBackendUnavailable), up to
+    ``tries`` times, 0.25 s then twice as long apart, always with one request id: a try that ran and
+    whose reply was lost answers the next as it did, with what it carried (the hand-offs it made). For
+    a call whose failing would strand something; the last error is raised."""
+    request_id = secrets.token_hex(8)
+    for attempt in range(tries - 1):
+        try:
+            return call(request_id)
+        except LockBackendUnavailable:
+            time.sleep(0.25 * 2 ** attempt)
+    return call(request_id)

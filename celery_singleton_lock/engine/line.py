@@ -222,15 +222,15 @@ def stop_waiting(server: LockServer, name: str, entry: str) -> Slot:
     return Slot(int(server.run(line_scripts.UNBLOCK, server.keys_for(key), (entry,))))
 
 
-def leave(server: LockBackend, name: str, entry: str) -> bool:
+def leave(server: LockBackend, name: str, entry: str, request_id: str = "") -> bool:
     """Take ``entry`` out of the line (it gave up); True if the key had been reserved for it
-    (it then passes to the next waiter)."""
+    (it then passes to the next waiter). ``request_id``: see :func:`.kept.tried`."""
     own = own_line(server)
     if own is not None:
         return own.leave(name, entry)
     assert isinstance(server, LockServer)
     key = slot_safe(name)
-    reply = server.run(line_scripts.LEAVE, server.keys_for(key), (entry,))
+    reply = server.run(line_scripts.LEAVE, server.keys_for(key), (entry,), request_id=request_id)
     server.dispatch(tuple(Handoff.parse(key, item) for item in reply[1:]))
     return int(reply[0]) == 1
 

@@ -276,11 +276,14 @@ def test_a_recovered_copy_whose_call_ran_elsewhere_is_dropped_even_if_its_releas
     assert env.journal.lrange(f"errbacks:{task_id}", 0, -1) == []
 
 
-def test_a_turn_past_its_max_wait_that_cannot_leave_its_place_fails_once(env):
+@pytest.mark.parametrize("fault", ["refused", "reply_lost"])
+def test_a_turn_past_its_max_wait_that_cannot_leave_its_place_fails_once(env, fault):
     """A waiting call's copy (sent ahead of its turn) comes back past ``lock_max_wait`` and finds the key
-    held: it gives up its place (LEAVE) and fails with LockWaitTimeout. Giving it up met a dead
-    connection twice: it used to fail with LockBackendUnavailable, its place left in line. It is sent
-    again, gives its place up, and fails once with LockWaitTimeout (its errback once); it never runs."""
+    held: it gives up its place (LEAVE) and fails with LockWaitTimeout. Giving it up failed twice (the
+    client's own second send too): it never reached Redis (``refused``), or Redis ran it and both
+    replies were lost (``reply_lost``). It used to fail with LockBackendUnavailable, its place maybe
+    left in line. It tries again in place with the same request id (a LEAVE that ran answers as it
+    did), and fails once with LockWaitTimeout (its errback once); it never runs."""
     leave = sha_of(line_scripts.LEAVE)
     k = new_key()
     errback = env.errback_log.s()
@@ -288,7 +291,7 @@ def test_a_turn_past_its_max_wait_that_cannot_leave_its_place_fails_once(env):
     started(env, k)
     waiter = env.inline.apply_async((k, 0.1, "waiter"), link_error=errback)
     parked(env, env.inline, k)
-    env.proxy.refuse(leave, 2)
+    (env.proxy.refuse if fault == "refused" else env.proxy.arm)(leave, 2)
     late = Turn(entry=queue.entry_for(waiter.id), why="run", parked_at=time.time() - 60)  # (max wait 20 s)
     env.inline.apply_async((k, 0.1, "waiter"), task_id=waiter.id, link_error=errback, headers=late.header())
     checked(env, k, leave, [holder, waiter], ["holder"], failed=[waiter])
