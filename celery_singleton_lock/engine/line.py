@@ -271,7 +271,10 @@ def announce(server: LockBackend, index: str, name: str) -> None:
     if own_line(server) is not None:
         return
     assert isinstance(server, LockServer)
-    server.run(line_scripts.INDEX_ADD, (index,), (slot_safe(name),))
+    try:  # score 0: due at once (safe to send twice: the same score again)
+        server.client.zadd(index, {slot_safe(name): 0})
+    except RedisError as exc:
+        raise server.error(exc, index) from exc
 
 
 # -- plain code: block until handed the key -------------------------------------
