@@ -142,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
     import harness
     import hotkeys
     import report
+    import report_common
+    import report_servers
+    import worker_profile
 
     from celery_singleton_lock.testing.servers import RedisServer
 
@@ -175,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         variants = dict(bench_app.VARIANTS)
         results["variants"] = list(variants)
         say(f"variants: {', '.join(variants)}; broker :{broker.port}, lock server :{locks.port}")
-        missing = [v for v in report.ALL_VARIANTS if v not in variants]
+        missing = [v for v in report_common.ALL_VARIANTS if v not in variants]
         if missing and not args.smoke:
             say(f"WARNING: peers not importable, left out: {', '.join(missing)}")
 
@@ -222,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
                 say("profile: py-spy on a solo worker draining LockedTask tasks")
                 prof = harness.BenchWorker("solo", 1, env, out_dir)
                 workers.append(prof.start())
-                results["profile"] = report.profile_worker(prof, variants, p["profile_n"], out_dir)
+                results["profile"] = worker_profile.profile_worker(prof, variants, p["profile_n"], out_dir)
                 prof.stop()
         finally:
             for w in workers:
@@ -254,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"  cluster watchdog: {sc['held']:,} of {sc['n']:,} held; {sc['round_trips_per_period']:.1f} round trips "
             f"per period (bound {sc['bound']}); {sc['cpu_core'] * 100:.1f}% of a core")
 
-        fp_variants = ["ours", "ours_late", "ours_quorum", *[v for v in report.PEERS if v in variants]]
+        fp_variants = ["ours", "ours_late", "ours_quorum", *[v for v in report_common.PEERS if v in variants]]
         waits = ", ".join(f"{w:g} s" for w in p["fp_waits"]) or "no wait"
         say(f"5. footprint: {p['fp_n']:,} tasks on distinct keys per variant, all at once, each on its own "
             f"lock server (looks: at once, {waits}; redelivery window {p['fp_window']:g} s)")
@@ -262,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             fp.start()
             for v, res in fp.results.items():
-                say(f"  {v}: " + report.footprint_line(res))
+                say(f"  {v}: " + report_servers.footprint_line(res))
             say("6. hot keys: tasks on ONE key, real prefork workers (their own broker and lock server)")
             results["hot"] = hotkeys.run(out_dir, p, say)
             say("6b. hot key under a backlog: the same drain while its queue is kept 2 x the lock TTL deep")
