@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     import report
     import report_common
     import report_servers
+    import server_commands
     import worker_profile
 
     from celery_singleton_lock.testing.servers import RedisServer
@@ -200,8 +201,8 @@ def run(args: argparse.Namespace) -> int:
             results["interleaved"] = report.summarize_interleaved(rounds, list(variants))
 
             say(f"2. lock-server commands per task ({p['cmd_n']} tasks per variant, MONITOR + commandstats)")
-            results["commands"] = harness.commands(solo, locks, variants, p["cmd_n"])
-            results["renewals"] = harness.renewal_check(
+            results["commands"] = server_commands.commands(solo, locks, variants, p["cmd_n"])
+            results["renewals"] = server_commands.renewal_check(
                 solo, locks, p["renew_short"], p["renew_long"], p["renew_count"])
 
             say(f"3. throughput: {p['tp_rounds']} alternated rounds x {p['tp_n']} tasks per variant")
