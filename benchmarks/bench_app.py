@@ -204,23 +204,12 @@ BREAKDOWN: dict[str, list[int]] = {}
 """path of wrapped pieces, " > "-separated -> [ns, calls]"""
 
 
-def _install_breakdown() -> None:
+def _timer():
+    """``timed(label, fn)``: ``fn`` wrapped to add its wall time and a call to BREAKDOWN under its path of
+    timed callers; only in the main thread (the one that runs the tasks), and with ``only_inside`` only
+    when called inside another timed piece."""
     import functools
-    import json
     import threading
-
-    from celery.signals import worker_process_shutdown, worker_shutdown
-    from redis.connection import AbstractConnection
-
-    from celery_singleton_lock import signals as csl_signals
-    from celery_singleton_lock.delivery import keys as csl_keys
-    from celery_singleton_lock.delivery import releasing as csl_releasing
-    from celery_singleton_lock.delivery import task as csl_task
-    from celery_singleton_lock.engine import exchange as csl_exchange
-    from celery_singleton_lock.engine import server as csl_server
-    from celery_singleton_lock.engine import wire as csl_wire
-    from celery_singleton_lock.watchdog import process as csl_process
-    from celery_singleton_lock.watchdog import renewer as csl_watchdog
 
     clock = time.perf_counter_ns
     main_ident = threading.main_thread().ident
@@ -245,6 +234,26 @@ def _install_breakdown() -> None:
                 stack.pop()
         return wrapper
 
+    return timed
+
+
+def _install_breakdown() -> None:
+    import json
+
+    from celery.signals import worker_process_shutdown, worker_shutdown
+    from redis.connection import AbstractConnection
+
+    from celery_singleton_lock import signals as csl_signals
+    from celery_singleton_lock.delivery import keys as csl_keys
+    from celery_singleton_lock.delivery import releasing as csl_releasing
+    from celery_singleton_lock.delivery import task as csl_task
+    from celery_singleton_lock.engine import exchange as csl_exchange
+    from celery_singleton_lock.engine import server as csl_server
+    from celery_singleton_lock.engine import wire as csl_wire
+    from celery_singleton_lock.watchdog import process as csl_process
+    from celery_singleton_lock.watchdog import renewer as csl_watchdog
+
+    timed = _timer()
     LockedTask.before_start = timed("LockedTask.before_start", LockedTask.before_start)
     # before_start derives the key through the task's KeyMaker (derive with the per-task part done once)
     csl_keys.KeyMaker.__call__ = timed("keys.derive", csl_keys.KeyMaker.__call__)

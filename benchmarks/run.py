@@ -25,6 +25,9 @@ so its INFO commandstats counts lock traffic only), and real ``celery worker``
 subprocesses, all stopped by PID. The hot-key phases (hotkeys.py) and the
 footprint (footprint.py) start private redis-servers of their own. The
 machine's own Redis is never touched.
+
+This module sets up and sequences the run; the phases themselves, and the
+runners of scale.py, capacity.py and etcd_bench.py, are in run_phases.py.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ import subprocess
 import sys
 import time
 import venv
-from contextlib import ExitStack
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -137,20 +139,10 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit_on_signal)
 
-    import backlog
-    import footprint
-    import harness
-    import hotkeys
     import report
+    import run_phases
 
-    from celery_singleton_lock.testing.servers import RedisServer
-
-    p = dict(SMOKE if args.smoke else FULL)
-    for item in args.param:
-        key, _, value = item.partition("=")
-        if key not in p:
-            sys.exit(f"--param {key}: unknown; known: {', '.join(p)}")
-        p[key] = _parse_param(value, p[key])
+    p = _params(args)
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -162,151 +154,15 @@ def run(args: argparse.Namespace) -> int:
     if args.hot:
         return hot_only(results, p, out_dir)
 
-    with RedisServer() as broker, RedisServer() as locks:
-        meta["redis_server"] = ".".join(map(str, locks.version()))
-        env = {
-            "BENCH_BROKER_URL": broker.url(0),
-            "BENCH_LOCK_URL": locks.url(0),
-        }
-        os.environ.update(env)
-        sys.path.insert(0, str(BENCH_DIR))
-        import bench_app  # the client side: same app, same variants as the workers
-
-        variants = dict(bench_app.VARIANTS)
-        results["variants"] = list(variants)
-        say(f"variants: {', '.join(variants)}; broker :{broker.port}, lock server :{locks.port}")
-        missing = [v for v in report.ALL_VARIANTS if v not in variants]
-        if missing and not args.smoke:
-            say(f"WARNING: peers not importable, left out: {', '.join(missing)}")
-
-        workers: list[harness.BenchWorker] = []
-        try:
-            solo = harness.BenchWorker("solo", 1, env, out_dir)
-            workers.append(solo.start())
-            say(f"solo worker ready (pid {solo.pid}); warming up")
-            solo.run_batch(harness.blocks_schedule(variants, 10, 1, rng))
-
-            say(f"1. interleaved run: {p['rounds']} rounds x {p['blocks']} blocks x "
-                f"{p['per_block']} per variant, one solo worker")
-            rounds = []
-            for r in range(p["rounds"]):
-                rr = harness.interleaved_round(solo, variants, p["blocks"], p["per_block"], p["skip_blocks"], rng)
-                rounds.append(rr)
-                say(f"  round {r + 1}: " + ", ".join(f"{v} {rr['worker_us'][v]:.0f}" for v in variants)
-                    + f" µs/task ({rr['tasks']} tasks in {rr['seconds']:.1f}s)")
-            results["interleaved"] = report.summarize_interleaved(rounds, list(variants))
-
-            say(f"2. lock-server commands per task ({p['cmd_n']} tasks per variant, MONITOR + commandstats)")
-            results["commands"] = harness.commands(solo, locks, variants, p["cmd_n"])
-            results["renewals"] = harness.renewal_check(
-                solo, locks, p["renew_short"], p["renew_long"], p["renew_count"])
-
-            say(f"3. throughput: {p['tp_rounds']} alternated rounds x {p['tp_n']} tasks per variant")
-            tp = {}
-            tp["solo"] = harness.throughput(solo, variants, p["tp_rounds"], p["tp_n"], say)
-            solo.stop()
-            for pool, conc in p["pools"]:
-                if pool == "solo":
-                    continue
-                w = harness.BenchWorker(pool, conc, env, out_dir)
-                workers.append(w.start())
-                w.run_batch(harness.blocks_schedule(variants, 10, conc, rng))  # warm every child
-                tp[f"{pool} -c {conc}"] = harness.throughput(w, variants, p["tp_rounds"], p["tp_n"], say)
-                w.stop()
-            results["throughput"] = tp
-
-            say("where our worker time goes: an instrumented solo worker")
-            results["breakdown"] = harness.breakdown(env, out_dir, variants, p["breakdown_n"])
-
-            if args.profile:
-                say("profile: py-spy on a solo worker draining LockedTask tasks")
-                prof = harness.BenchWorker("solo", 1, env, out_dir)
-                workers.append(prof.start())
-                results["profile"] = report.profile_worker(prof, variants, p["profile_n"], out_dir)
-                prof.stop()
-        finally:
-            for w in workers:
-                w.stop()
-
-        say(f"4. the floor: two raw loopback round trips (pre-packed PING on a socket), {p['floor_n']} pairs")
-        results["floor"] = scale_run("floor", locks.url(0), n=p["floor_n"])
-        say(f"  {results['floor']['pair_us_p50']:.1f} µs per pair (lowest batch p50)")
-        say(f"4b. quorum mode: acquire and release on 1, 3 and 5 independent redis-servers, {p['quorum_n']} each")
-        with ExitStack() as stack:
-            members = [stack.enter_context(RedisServer()) for _ in range(5)]
-            results["quorum"] = scale_run("quorum", locks.url(0), n=p["quorum_n"],
-                                          urls=",".join(m.url(0) for m in members))
-        for name, row in results["quorum"]["setups"].items():
-            say(f"  {name}: acquire p50 {row['acquire_p50_us']:.0f} µs, release p50 {row['release_p50_us']:.0f} µs")
-        say(f"4c. topologies: the lock per task on one Redis, Sentinel and a 3-master Cluster; the watchdog at "
-            f"{p['topo_n']:,} locks on the Cluster")
-        sys.path.insert(0, str(ROOT / "tests"))  # the suite's Sentinel and Cluster deployments
-        from _deployments import RedisClusterDeployment, SentinelDeployment
-
-        with SentinelDeployment(replicas=1, sentinels=3) as sentinel, RedisClusterDeployment(masters=3) as cluster:
-            results["topologies"] = scale_run(
-                "topologies", locks.url(0), trials=p["quorum_n"], n=p["topo_n"], seconds=p["topo_seconds"],
-                ttl=p["scale_ttl"], sentinel_url=sentinel.url(0), cluster_url=cluster.url(),
-            )
-        for name, row in results["topologies"]["cost"].items():
-            say(f"  {name}: acquire + release p50 {row['p50_us']:.0f} µs")
-        sc = results["topologies"]["scale"]
-        say(f"  cluster watchdog: {sc['held']:,} of {sc['n']:,} held; {sc['round_trips_per_period']:.1f} round trips "
-            f"per period (bound {sc['bound']}); {sc['cpu_core'] * 100:.1f}% of a core")
-
-        fp_variants = ["ours", "ours_late", "ours_quorum", *[v for v in report.PEERS if v in variants]]
-        waits = ", ".join(f"{w:g} s" for w in p["fp_waits"]) or "no wait"
-        say(f"5. footprint: {p['fp_n']:,} tasks on distinct keys per variant, all at once, each on its own "
-            f"lock server (looks: at once, {waits}; redelivery window {p['fp_window']:g} s)")
-        fp = footprint.Footprint(out_dir, fp_variants, p["fp_n"], p["fp_waits"], p["fp_window"], say)
-        try:
-            fp.start()
-            for v, res in fp.results.items():
-                say(f"  {v}: " + report.footprint_line(res))
-            say("6. hot keys: tasks on ONE key, real prefork workers (their own broker and lock server)")
-            results["hot"] = hotkeys.run(out_dir, p, say)
-            say("6b. hot key under a backlog: the same drain while its queue is kept 2 x the lock TTL deep")
-            results["backlog"] = backlog.run(out_dir, p, say)
-            say(f"7. plain-code hand-off: {p['plain_procs']} processes on one key, {p['plain_rounds']} rounds")
-            plain_impls = ["ours", "redis-py"] + (["python-redis-lock"] if report.importable("redis_lock") else [])
-            results["plain_handoff"] = []
-            for impl in plain_impls:
-                r = scale_run("handoff", locks.url(0), impl=impl, procs=p["plain_procs"], rounds=p["plain_rounds"],
-                              hold=p["plain_hold"])
-                results["plain_handoff"].append(r)
-                say(f"  {impl}: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms ({r['handoffs']} hand-offs)")
-            if p["fp_waits"]:
-                say(f"  footprint: waiting for the looks after {waits}")
-        except BaseException:
-            fp.close()
-            raise
-        results["footprint"] = fp.finish()
-
-        say("8. watchdog at scale: N locks held in one process, ttl "
-            f"{p['scale_ttl']:g}s, {p['scale_seconds']:g}s each (fresh process per run)")
-        scale = []
-        for n in p["scale_ours"]:
-            scale.append(scale_run("ours", locks.url(0), n=n, seconds=p["scale_seconds"], ttl=p["scale_ttl"]))
-            say(f"  ours N={n}: {report.scale_line(scale[-1])}")
-        if report.importable("redis_lock"):
-            for n in p["scale_rlock"]:
-                scale.append(scale_run("rlock", locks.url(0), n=n, seconds=p["scale_seconds"], ttl=p["scale_ttl"]))
-                say(f"  python-redis-lock N={n}: {report.scale_line(scale[-1])}")
-        results["scale"] = scale
-
-        say("9. lost-lock detection latency (outside DEL -> .lost)")
-        results["lost"] = [
-            scale_run("lost", locks.url(0), ttl=ttl, trials=p["lost_trials"]) for ttl in p["lost_ttls"]
-        ]
-        results["micro"] = scale_run("micro", locks.url(0), n=p["micro_n"])
+    run_phases.on_lock_server(results, p, args, out_dir, rng, say)
 
     say(f"10. capacity: locked tasks per Redis core, ours and the cookbook's ({p['cap_rounds']} rounds x "
         f"{p['cap_seconds']:g} s each, {p['cap_procs']} client processes x {p['cap_conns']} connections)")
-    results["capacity"] = capacity_run(p)
+    results["capacity"] = run_phases.capacity_run(p)
     say(f"  ours / cookbook per core: {results['capacity']['ratio']:.2f}")
 
     say(f"11. etcd against Redis: per-task cost, keep-alive cost with {p['etcd_locks']:,} locks held, hand-off")
-    results["etcd"] = etcd_run(p)
+    results["etcd"] = run_phases.etcd_run(p, say)
     if results["etcd"]:
         say(f"  etcd keep-alive: {results['etcd']['etcd']['keepalive']['cpu_percent_of_a_core']:.2f} % of a core")
 
@@ -319,6 +175,17 @@ def run(args: argparse.Namespace) -> int:
     report.write_outputs(results, text, out_dir, official=official, bench_dir=BENCH_DIR)
     say(f"done in {results['meta']['duration_s']:.0f}s")
     return 0
+
+
+def _params(args: argparse.Namespace) -> dict:
+    """The run's sizes: SMOKE or FULL, with each --param KEY=VALUE applied."""
+    p = dict(SMOKE if args.smoke else FULL)
+    for item in args.param:
+        key, _, value = item.partition("=")
+        if key not in p:
+            sys.exit(f"--param {key}: unknown; known: {', '.join(p)}")
+        p[key] = _parse_param(value, p[key])
+    return p
 
 
 def backlog_only(results: dict, p: dict, out_dir: Path) -> int:
@@ -374,52 +241,6 @@ def _parse_param(value: str, like):
         kind = type(like[0]) if like else float
         return tuple(kind(x) for x in value.split(",") if x)
     return type(like)(value)
-
-
-def scale_run(mode: str, lock_url: str, **opts) -> dict:
-    import json
-
-    cmd = [sys.executable, str(BENCH_DIR / "scale.py"), mode, "--lock-url", lock_url]
-    for k, v in opts.items():
-        cmd += [f"--{k}", str(v)]
-    timeout = 120 + float(opts.get("seconds", 0)) * 2
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCH_DIR)])))
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"scale.py {mode} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-
-
-def capacity_run(p: dict) -> dict:
-    """benchmarks/capacity.py in a process of its own (it starts its own redis-server and clients)."""
-    import json
-
-    cmd = [sys.executable, str(BENCH_DIR / "capacity.py"), "--seconds", str(p["cap_seconds"]),
-           "--rounds", str(p["cap_rounds"]), "--procs", str(p["cap_procs"]), "--conns", str(p["cap_conns"]),
-           "--counted", str(p["cap_counted"])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240 + 4 * p["cap_rounds"] * p["cap_seconds"],
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCH_DIR)])))
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"capacity.py failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-
-
-def etcd_run(p: dict) -> dict | None:
-    """benchmarks/etcd_bench.py in a process of its own; None (said so) where no etcd binary exists."""
-    import json
-
-    cmd = [sys.executable, str(BENCH_DIR / "etcd_bench.py"), "--json", "--ops", str(p["etcd_ops"]),
-           "--locks", str(p["etcd_locks"]), "--handoffs", str(p["etcd_handoffs"])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCH_DIR)])))
-    if proc.returncode == 2:
-        say(f"  skipped: {proc.stderr.strip()[-300:]}")
-        return None
-    if proc.returncode != 0:
-        raise RuntimeError(f"etcd_bench.py failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout)
 
 
 def main() -> int:

@@ -13,6 +13,9 @@ lock) on redis-py's default client (its pool allows 100 connections). Both
 report, over the holding window only: locks still held at the end (checked on
 the server: the key still carries this holder's token), threads, CPU of the
 whole process as a fraction of one core, RSS, and renewals on the lock server.
+
+The modes ``handoff`` (scale_handoff.py) and ``quorum`` and ``topologies`` (scale_topologies.py)
+live in modules of their own; this one runs every mode.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import time
 from collections import Counter
 
 import redis
+from scale_handoff import plain_handoff
+from scale_topologies import quorum_cost, topology_cost
 
 
 def proc_status() -> dict[str, int]:
@@ -321,218 +326,6 @@ def floor(args: argparse.Namespace) -> dict:
     return {"n": len(us), "batches": batches, "pair_us_p50": min(batch_p50s), "batch_p50s_us": batch_p50s,
             "all_p50_us": us[len(us) // 2], "pair_us_p99": us[min(len(us) - 1, int(len(us) * 0.99))],
             "pair_us_min": us[0], "pair_us_mean": sum(us) / len(us)}
-
-
-def quorum_cost(args: argparse.Namespace) -> dict:
-    """Quorum mode (issue 12): wall time of an acquire, a release, and both, on one server and on
-    quorums of the first 3 and all 5 of ``--urls`` (each a private redis-server), interleaved."""
-    from celery_singleton_lock.engine.server import LockServer
-    from celery_singleton_lock.topologies.quorum import QuorumLockServer
-
-    urls = args.urls.split(",")
-    setups = {"single": LockServer.from_url(urls[0]), "quorum N=3": QuorumLockServer.from_urls(urls[:3]),
-              "quorum N=5": QuorumLockServer.from_urls(urls[:5])}
-    clock = time.perf_counter_ns
-    times: dict[str, dict[str, list[float]]] = {k: {"acquire": [], "release": []} for k in setups}
-    import redis
-
-    from celery_singleton_lock.topologies.quorum import SINCE
-
-    for url in urls[:5]:  # a quorum that has run for a while: no member's data is young (see Q_ACQUIRE)
-        redis.Redis.from_url(url).set(SINCE, int((time.time() - 3600) * 1000))
-    for _ in range(50):  # warm: connections made, scripts loaded
-        for name, server in setups.items():
-            lock = server.acquire(f"bench:quorum:warm:{name}", 30.0)
-            server.release(lock)
-    for i in range(args.n):
-        for name, server in setups.items():  # interleaved, so a busy moment hits every setup alike
-            t0 = clock()
-            lock = server.acquire(f"bench:quorum:{name}:{i}", 30.0, owner_id=f"t{i}")
-            t1 = clock()
-            server.release(lock)
-            t2 = clock()
-            times[name]["acquire"].append((t1 - t0) / 1000)
-            times[name]["release"].append((t2 - t1) / 1000)
-    out = {}
-    for name, parts in times.items():
-        row = {}
-        for op, values in parts.items():
-            values.sort()
-            row[op + "_p50_us"] = values[len(values) // 2]
-            row[op + "_p99_us"] = values[min(len(values) - 1, int(len(values) * 0.99))]
-        row["both_p50_us"] = row["acquire_p50_us"] + row["release_p50_us"]
-        out[name] = row
-    return {"n": args.n, "setups": out}
-
-
-def topology_cost(args: argparse.Namespace) -> dict:
-    """Issue 11: the lock's cost per task (one acquire and one release) on one Redis, on a Sentinel-watched
-    master and on a 3-master Redis Cluster, interleaved; then the watchdog with ``--n`` locks spread over
-    the cluster's masters for ``--seconds``: all kept?, round trips (one pipeline per node) per period."""
-    from celery_singleton_lock.topologies.servers import from_settings
-    from celery_singleton_lock.watchdog.renewer import Watchdog
-
-    setups = {
-        "single": from_settings(args.lock_url),
-        "sentinel": from_settings(args.sentinel_url, transport_options={"master_name": "mymaster"}),
-        "cluster (3 masters)": from_settings(args.cluster_url),
-    }
-    clock = time.perf_counter_ns
-    times: dict[str, list[float]] = {k: [] for k in setups}
-    for i in range(50):
-        for name, server in setups.items():
-            server.release(server.acquire(f"bench:topo:warm:{name}:{i}", 30.0))
-    for i in range(args.trials):
-        for name, server in setups.items():
-            t0 = clock()
-            lock = server.acquire(f"bench:topo:{name}:{i}", 30.0, owner_id=f"t{i}")
-            server.release(lock)
-            times[name].append((clock() - t0) / 1000)
-    cost = {}
-    for name, values in times.items():
-        values.sort()
-        p99 = values[min(len(values) - 1, int(len(values) * 0.99))]
-        cost[name] = {"p50_us": values[len(values) // 2], "p99_us": p99}
-
-    cluster = setups["cluster (3 masters)"]
-    dog = Watchdog()
-    locks = [cluster.acquire(f"bench:topo:scale:{i}", args.ttl, owner_id=f"s{i}") for i in range(args.n)]
-    for lock in locks:
-        dog.track(lock)
-    time.sleep(args.ttl)  # settle: every lock renewed at least once
-    def pipelines() -> int:  # the watchdog renews through its short-timeout twin of the cluster server
-        return sum(getattr(twin, "pipelines_sent", 0) for twin in cluster._twins.values())
-
-    sent0, cpu0, t0s = pipelines(), time.process_time(), time.monotonic()
-    time.sleep(args.seconds)
-    seconds = time.monotonic() - t0s
-    sent = pipelines() - sent0
-    cpu = (time.process_time() - cpu0) / seconds
-    held = sum(1 for lock in locks if not lock.lost)
-    dog.shutdown()
-    for lock in locks:
-        cluster.release(lock)
-    period = args.ttl / 3
-    nodes = len({n.name for n in cluster.cluster.get_primaries()})
-    return {"trials": args.trials, "cost": cost, "scale": {
-        "n": args.n, "ttl": args.ttl, "seconds": seconds, "held": held, "nodes": nodes, "chunk": args.chunk,
-        "round_trips_per_period": sent / (seconds / period), "bound": nodes * math.ceil(args.n / args.chunk),
-        "cpu_core": cpu}}
-
-
-def plain_handoff(args: argparse.Namespace) -> dict:
-    """Hand-off latency for plain code: processes queue on one key, each takes it once per round.
-
-    Per round, ``--procs`` processes start at a barrier, each one a random 0-100 ms
-    later (so redis-py's 0.1 s polls do not all fall in step) blocks on the key; the
-    first to get it holds it until all the others are waiting (then 20 ms more, so
-    they are parked / blocked / polling), every later one holds it ``--hold`` s.
-    Latency = the previous holder's exit from its block (just before its release)
-    -> the next holder's entry, in entry order.
-    """
-    import multiprocessing as mp
-
-    ctx = mp.get_context("fork")
-    procs, rounds = args.procs, args.rounds
-    barrier = ctx.Barrier(procs)
-    waiting = ctx.Array("i", rounds)
-    entered = ctx.Array("i", rounds)
-    out = ctx.Queue()
-    tag = f"{os.getpid()}-{random.getrandbits(32):08x}"
-    workers = [ctx.Process(target=_handoff_proc, args=(args, tag, i, barrier, waiting, entered, out))
-               for i in range(procs)]
-    for w in workers:
-        w.start()
-    rows = []
-    try:
-        for _ in range(procs * rounds):
-            row = out.get(timeout=300)
-            if row[0] == "error":
-                raise RuntimeError(f"{args.impl}, process {row[3]}: {row[1]}")
-            rows.append(row)
-    finally:
-        for w in workers:
-            w.join(10)
-            if w.is_alive():
-                w.kill()
-    gaps = []
-    for r in range(rounds):
-        entries = sorted((t_in, t_out) for rr, t_in, t_out, _ in rows if rr == r)
-        gaps += [(entries[i][0] - entries[i - 1][1]) / 1e6 for i in range(1, len(entries))]
-    gaps.sort()
-    return {
-        "impl": args.impl, "procs": procs, "rounds": rounds, "hold_s": args.hold, "handoffs": len(gaps),
-        "overlaps": sum(1 for g in gaps if g < 0),
-        "p50_ms": gaps[len(gaps) // 2] if gaps else None,
-        "p99_ms": gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] if gaps else None,
-        "max_ms": gaps[-1] if gaps else None,
-        "mean_ms": sum(gaps) / len(gaps) if gaps else None,
-    }
-
-
-def _handoff_proc(args, tag, index, barrier, waiting, entered, out) -> None:
-    """One process of plain_handoff: take the key once per round, the way ``args.impl`` blocks."""
-    rng = random.Random(index)
-    try:
-        if args.impl == "ours":
-            from celery_singleton_lock import held
-
-            def hold(name, body):
-                with held(args.lock_url, name, 30.0, wait=120.0):
-                    return body()
-        elif args.impl == "redis-py":
-            client = redis.Redis.from_url(args.lock_url)
-
-            def hold(name, body):  # redis-py's blocking Lock: SET NX, else sleep 0.1 s and try again
-                lock = client.lock(name, timeout=30, sleep=0.1, blocking_timeout=120)
-                if not lock.acquire():
-                    raise RuntimeError("redis-py Lock: blocking_timeout ran out")
-                try:
-                    return body()
-                finally:
-                    lock.release()
-        else:
-            import redis_lock
-
-            client = redis.StrictRedis.from_url(args.lock_url)
-
-            def hold(name, body):  # python-redis-lock: SET NX, else BLPOP on its signal key
-                lock = redis_lock.Lock(client, name, expire=30)
-                lock.acquire(blocking=True)  # its timeout may not exceed expire; the parent has one
-                try:
-                    return body()
-                finally:
-                    lock.release()
-
-        for r in range(args.rounds):
-            name = f"bench:handoff:{tag}:{r}"
-            barrier.wait(120)
-            time.sleep(rng.uniform(0, 0.1))  # start at a random phase of redis-py's 0.1 s polling
-            with waiting.get_lock():
-                waiting[r] += 1
-
-            def body(r=r):
-                t_in = time.monotonic_ns()
-                with entered.get_lock():
-                    first = entered[r] == 0
-                    entered[r] += 1
-                if first:  # hold until every other process is blocked on the key
-                    deadline = time.monotonic() + 60
-                    while waiting[r] < args.procs and time.monotonic() < deadline:
-                        time.sleep(0.001)
-                    time.sleep(0.02)
-                else:
-                    time.sleep(args.hold)
-                return t_in, time.monotonic_ns()
-
-            t_in, t_out = hold(name, body)
-            out.put((r, t_in, t_out, index))
-    except Exception as exc:
-        out.put(("error", f"{type(exc).__name__}: {exc}", 0, index))
-    finally:
-        out.close()
-        out.join_thread()
-        os._exit(0)
 
 
 def main() -> None:

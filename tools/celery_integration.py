@@ -38,27 +38,20 @@ Logs and results go to tools/.integ-work/runs/<time>/<mode>/ (gitignored).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
-import tarfile
 import threading
 import time
-import venv
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-ROOT = TOOLS.parent
-VENV = TOOLS / ".venv-integ"
-VENV_PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-REQUIREMENTS = TOOLS / "integ-requirements.txt"
-WORK = TOOLS / ".integ-work"
+# the set-up (integ_setup.py) and the shards' runs (integ_shard.py, with IGNORED) live beside this
+# file, stdlib only like this module up to the re-exec; _wanted is named here for the tests of it
+from integ_setup import DURATIONS, WORK, _wanted, ensure_suite, ensure_venv, in_venv, say  # noqa: F401
+from integ_shard import Shard, merge, pytest_command
 
 MODES = {"plain": "without LockedTask", "lock": "with LockedTask"}
 
@@ -70,110 +63,8 @@ ALLOWED_REGRESSIONS: dict[str, str] = {
 two identical calls (same task, same arguments) at once, which LockedTask exists to refuse.
 Each entry names the test (pytest node id) and says why."""
 
-IGNORED = {
-    "t/integration/test_backend.py": "Azure Block Blob backend: needs the azure SDK at import and an "
-    "AZUREBLOCKBLOB_URL service; both its tests skip without the service",
-}
-"""Test files left out of the run (pytest --ignore), each with its reason."""
-
 GOOD = ("passed", "xfailed", "xpassed")
 BAD = ("failed", "error", "missing")
-DURATIONS = TOOLS / "integ-durations.json"
-"""Each test's duration in an earlier baseline run: the shards are balanced with it."""
-
-
-def say(msg: str) -> None:
-    print(f"[integ] {msg}", flush=True)
-
-
-# -- set-up: our own virtualenv (stdlib only up to here) ----------------------------------------
-
-
-def ensure_venv() -> Path:
-    stamp = VENV / ".installed"
-    want = hashlib.sha256(
-        REQUIREMENTS.read_bytes() + (ROOT / "pyproject.toml").read_bytes() + sys.version.encode()
-    ).hexdigest()
-    if stamp.exists() and stamp.read_text() == want and VENV_PY.exists():
-        return VENV_PY
-    if not VENV_PY.exists():
-        say(f"creating virtualenv {VENV}")
-        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-    say(f"installing this checkout and {REQUIREMENTS.name} into it")
-    WORK.mkdir(parents=True, exist_ok=True)
-    log = WORK / "pip.log"
-    with open(log, "w") as f:
-        code = subprocess.call(
-            [str(VENV_PY), "-m", "pip", "install", "--disable-pip-version-check", "-e", str(ROOT),
-             "-r", str(REQUIREMENTS)],
-            cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-        )
-    if code:
-        sys.exit(f"pip install failed ({code}); see {log}:\n" + log.read_text()[-3000:])
-    stamp.write_text(want)
-    return VENV_PY
-
-
-def in_venv() -> bool:
-    try:
-        return Path(sys.prefix).resolve() == VENV.resolve()
-    except OSError:
-        return False
-
-
-# -- the suite: Celery's sdist, t/integration only ------------------------------------------------
-
-
-def _wanted(rel: str) -> bool:
-    """The sdist's files the integration run needs (paths relative to the sdist's top folder)."""
-    return (
-        rel == "pyproject.toml"
-        or re.fullmatch(r"t/[^/]+\.py", rel) is not None
-        or rel.startswith("t/integration/")
-    )
-
-
-def ensure_suite(version: str) -> Path:
-    """tools/.integ-work/celery-<version>/ holding the sdist's t/integration (downloaded once)."""
-    dest = WORK / f"celery-{version}"
-    marker = dest / ".extracted"
-    if marker.exists():
-        return dest
-    sdists = WORK / "sdist"
-    sdists.mkdir(parents=True, exist_ok=True)
-    tarball = sdists / f"celery-{version}.tar.gz"
-    if not tarball.exists():
-        say(f"downloading the celery=={version} sdist from PyPI")
-        subprocess.check_call(
-            [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
-             "--no-binary", ":all:", f"celery=={version}", "-d", str(sdists)],
-            stdout=subprocess.DEVNULL,
-        )
-        if not tarball.exists():
-            found = sorted(p.name for p in sdists.iterdir())
-            sys.exit(f"pip download did not leave {tarball.name} in {sdists} (found: {found})")
-    if dest.exists():
-        shutil.rmtree(dest)
-    top = f"celery-{version}/"
-    count = 0
-    with tarfile.open(tarball) as tar:
-        for member in tar.getmembers():
-            if not member.isfile() or not member.name.startswith(top):
-                continue
-            rel = member.name[len(top):]
-            if ".." in Path(rel).parts or not _wanted(rel):
-                continue
-            target = dest / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            source = tar.extractfile(member)
-            assert source is not None
-            target.write_bytes(source.read())
-            count += 1
-    if not (dest / "t/integration/conftest.py").exists():
-        sys.exit(f"{tarball} has no t/integration/conftest.py: not a Celery sdist with its integration suite")
-    marker.write_text(f"{count} files from {tarball.name}\n")
-    say(f"extracted {count} files of the sdist's test suite into {dest}")
-    return dest
 
 
 # -- shards: both modes split the selected tests alike ----------------------------------------------
@@ -199,176 +90,6 @@ def shard_of(nodeids: list[str], count: int, weights: dict[str, float]) -> list[
         loads[shard] += weight[i]
         owner[i] = shard
     return owner
-
-
-# -- one run --------------------------------------------------------------------------------------
-
-
-def _end_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
-    """SIGTERM, then SIGKILL, to the process group we started (pytest, its worker pool, its subprocesses)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _read_counters(server) -> dict[str, dict[str, int]]:
-    """The plugin's counters (db 3): executions as LockedTask / plain Task, locks acquired, duplicates met."""
-    with server.client(db=3) as client:
-        return {
-            key: {k.decode(): int(v) for k, v in client.hgetall(f"csl_integ:{key}").items()}
-            for key in ("locked", "plain", "acquired", "duplicates")
-        }
-
-
-def pytest_command(args: argparse.Namespace) -> list[str]:
-    cmd = [
-        sys.executable, "-m", "pytest", "t/integration", "-p", "csl_integ_plugin", "-p", "no:cacheprovider",
-        "-v", "--tb=short", "-rfE", "--durations=15", f"--timeout={args.timeout}",
-        *(f"--ignore={path}" for path in IGNORED),
-    ]
-    if args.k:
-        cmd += ["-k", args.k]
-    if args.no_reruns:
-        cmd += ["-p", "no:rerunfailures"]
-    return cmd + args.pytest_args
-
-
-class Shard:
-    """One pytest process: one mode, one share of the tests, its own private redis-server."""
-
-    def __init__(self, mode: str, index: int, count: int, suite: Path, run_dir: Path, args: argparse.Namespace):
-        self.mode, self.index, self.count = mode, index, count
-        self.name = f"{mode} {index + 1}/{count}"
-        self.suite, self.args = suite, args
-        self.out = run_dir / (mode if count == 1 else f"{mode}-{index + 1}")
-        self.returncode: int | None = None
-        self.elapsed = 0.0
-        self.timed_out = False
-        self.summary: list[str] = []
-        self.executions: dict[str, dict[str, int]] = {}
-        self.data: dict | None = None
-        self.failure: str | None = None
-        self.proc: subprocess.Popen | None = None
-
-    def done(self) -> int:
-        """How many tests have finished so far (results.json is rewritten after each)."""
-        try:
-            return len(json.loads((self.out / "results.json").read_text())["tests"])
-        except (OSError, ValueError, KeyError):
-            return 0
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # reported, never lost in a thread
-            self.failure = f"{type(exc).__name__}: {exc}"
-
-    def _run(self) -> None:
-        from celery_singleton_lock.testing.servers import RedisServer
-
-        self.out.mkdir(parents=True, exist_ok=True)
-        args = self.args
-        server = RedisServer().start()
-        say(f"{self.name}: private redis-server {'.'.join(map(str, server.version()))} pid {server.pid} "
-            f"on 127.0.0.1:{server.port}; log {self.out / 'pytest.log'}")
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("CELERY_", "CSL_INTEG_", "TEST_", "REDIS_", "DJANGO_"))}
-        env.update(
-            # as Celery's tox.ini for its redis run (TEST_BROKER=redis://, TEST_BACKEND=redis://: one db,
-            # which tests also read through REDIS_HOST/REDIS_PORT; trace-log tests need INFO records)
-            TEST_BROKER=server.url(0), TEST_BACKEND=server.url(0), WORKER_LOGLEVEL="INFO",
-            REDIS_HOST="127.0.0.1", REDIS_PORT=str(server.port),
-            # the suite runs the `celery` command (test_serialization, test_worker): the venv's
-            PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-            CSL_INTEG_MODE=self.mode, CSL_INTEG_LOCK_URL=server.url(2), CSL_INTEG_POLICY=args.policy,
-            CSL_INTEG_STATS_URL=server.url(3), CSL_INTEG_OUT=str(self.out),
-            CSL_INTEG_SHARD=f"{self.index}/{self.count}" if self.count > 1 else "",
-            CSL_INTEG_WEIGHTS=str(DURATIONS),
-            PYTHONPATH=os.pathsep.join([str(TOOLS), *filter(None, [os.environ.get("PYTHONPATH")])]),
-            PYTHONUNBUFFERED="1",
-        )
-        started = time.monotonic()
-        tail: list[str] = []
-        try:
-            with open(self.out / "pytest.log", "w") as log:
-                proc = self.proc = subprocess.Popen(
-                    pytest_command(args), cwd=self.suite, env=env,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                )
-                try:
-                    for raw in iter(proc.stdout.readline, b""):
-                        text = raw.decode("utf-8", "replace")
-                        log.write(text)
-                        log.flush()
-                        tail.append(text)
-                        del tail[:-100]
-                        if args.echo:
-                            sys.stdout.write(f"[{self.name}] {text}")
-                            sys.stdout.flush()
-                        if time.monotonic() - started > args.max_minutes * 60 and not self.timed_out:
-                            self._time_out(proc)
-                    proc.wait(max(1.0, args.max_minutes * 60 - (time.monotonic() - started)))
-                except subprocess.TimeoutExpired:
-                    self._time_out(proc)
-                finally:
-                    if proc.poll() is None:
-                        _end_group(proc)
-            self.executions = _read_counters(server)
-            (self.out / "counters.json").write_text(json.dumps(self.executions, indent=1, sort_keys=True))
-        finally:
-            server.stop()
-            shutil.rmtree(server.dir, ignore_errors=True)
-        self.returncode = proc.returncode
-        self.elapsed = time.monotonic() - started
-        self.summary = [ln.strip().strip("=").strip() for ln in tail if re.match(r"=+ .*\bin [\d.]+s", ln)]
-        results = self.out / "results.json"
-        self.data = json.loads(results.read_text()) if results.exists() else None
-        say(f"{self.name}: pytest exited {self.returncode} after {self.elapsed / 60:.1f} min: "
-            f"{'; '.join(self.summary) or '(no summary line)'}")
-
-    def abort(self) -> None:
-        """From the main thread, on a signal: end our pytest's process group; _run then stops the server."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            _end_group(proc, grace=10.0)
-
-    def _time_out(self, proc: subprocess.Popen) -> None:
-        self.timed_out = True
-        say(f"{self.name}: still running after {self.args.max_minutes} min: ending pytest's process group")
-        _end_group(proc)
-
-
-def merge(shards: list[Shard]) -> dict:
-    """One mode's results, from its shards."""
-    tests: dict[str, dict] = {}
-    executions: dict[str, dict[str, int]] = {}
-    registries, problems = [], []
-    for shard in shards:
-        if shard.failure:
-            problems.append(f"{shard.name}: the driver failed: {shard.failure}")
-        if shard.data is None:
-            problems.append(f"{shard.name}: no results (pytest crashed or was ended): see {shard.out}/pytest.log")
-            continue
-        if shard.timed_out or not shard.data.get("finished"):
-            problems.append(f"{shard.name}: did not finish; its results cover the tests run until then")
-        if shard.returncode not in (0, 1):  # interrupted, collection error, usage error, no test
-            problems.append(f"{shard.name}: pytest exited {shard.returncode}: see {shard.out}/pytest.log")
-        tests.update(shard.data["tests"])
-        if shard.data.get("registry"):
-            registries.append(shard.data["registry"])
-        for key, per_task in shard.executions.items():
-            into = executions.setdefault(key, {})
-            for name, n in per_task.items():
-                into[name] = into.get(name, 0) + n
-    return {"tests": tests, "executions": executions, "registries": registries, "problems": problems,
-            "shards": shards, "elapsed": max((s.elapsed for s in shards), default=0.0)}
 
 
 # -- reading the results ----------------------------------------------------------------------------
@@ -537,6 +258,13 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, stop)  # raised in the main thread, which then ends every shard (below)
 
     started = time.monotonic()
+    shards = run_shards(args, suite, run_dir, started)
+    return summarise(args, version, shards, run_dir, started)
+
+
+def run_shards(args: argparse.Namespace, suite: Path, run_dir: Path, started: float) -> list[Shard]:
+    """Every mode's shards at once, each in a thread; progress once a minute. On a signal or Ctrl-C,
+    every shard's pytest is ended (then its redis-server), and the exception goes on."""
     shards = [Shard(mode, i, args.shards, suite, run_dir, args) for mode in args.modes for i in range(args.shards)]
     threads = [threading.Thread(target=shard.run, name=shard.name, daemon=True) for shard in shards]
     try:
@@ -558,7 +286,12 @@ def main(argv: list[str]) -> int:
         for thread in threads:
             thread.join(30)
         raise
+    return shards
 
+
+def summarise(args: argparse.Namespace, version: str, shards: list[Shard], run_dir: Path, started: float) -> int:
+    """The summary (printed, and run_dir/summary.txt) and the exit status: 0, 1 (a regression or, in a single
+    mode, a failure) or 2 (the run is in doubt)."""
     merged = {mode: merge([s for s in shards if s.mode == mode]) for mode in args.modes}
     report = [f"celery {version}; policy {args.policy}; -k {args.k or '(all)'}; {args.shards} shard(s) per mode; "
               f"wall time {(time.monotonic() - started) / 60:.1f} min; results in {run_dir}"]

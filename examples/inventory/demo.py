@@ -61,6 +61,54 @@ def stop_all(workers: list[WorkerProcess]) -> None:
         t.join()
 
 
+def start_workers(base: str, tmp: str, workers: list[WorkerProcess]) -> None:
+    """Two worker nodes (prefork, 2 processes each) on app.py, each added to ``workers`` once started."""
+    env = {"INVENTORY_REDIS_URL": base}  # `celery -A app` imports app.py from its cwd, HERE
+    for node in ("north", "south"):
+        w = WorkerProcess(
+            "app", pool="prefork", concurrency=2, name=f"{node}@%h", env=env, cwd=HERE,
+            logfile=os.path.join(tmp, f"{node}.log"),
+        )
+        workers.append(w.start())
+
+
+def report(orders: list[tuple[str, int]], expected: dict[str, int], plain: dict, locked: dict, began: float,
+           ready_at: float) -> int:
+    """Print the stock per SKU, what each task did and the RESULT line; 1 if the locked stock is wrong."""
+    print(f"{'SKU':<8}{'orders':>8}{'expected':>10}{'plain':>8}{'locked':>8}")
+    for sku in SKUS:
+        n = sum(1 for s, _ in orders if s == sku)
+        p, lk = plain["stock"][sku], locked["stock"][sku]
+        print(
+            f"{sku:<8}{n:>8}{expected[sku]:>10}{p:>8}{lk:>8}"
+            f"{'' if lk == expected[sku] else '   <- WRONG'}"
+        )
+    lost = sum(plain["stock"][s] - expected[s] for s in SKUS)
+    wrong = [s for s in SKUS if locked["stock"][s] != expected[s]]
+    dup = locked["duplicates"]
+    print()
+    if lost:
+        print(f"plain task:  lost {lost} units of deductions to overlapping read-modify-writes, as expected")
+    else:
+        print("plain task:  lost no update this time (the race depends on timing)")
+    print(
+        f"locked task: {dup.get('retry', 0)} duplicates waited their turn (one park and one hand-off each), "
+        f"skipped {dup.get('skip', 0)}, "
+        f"failed {len(locked['failed'])}"
+    )
+    print(
+        f"wall time:   plain {plain['seconds']:.1f} s, locked {locked['seconds']:.1f} s; "
+        f"start-up {ready_at - began:.1f} s; total {time.monotonic() - began:.1f} s"
+    )
+    for exc in locked["failed"][:3]:
+        print(f"  failure: {exc!r}")
+    if wrong or locked["failed"]:
+        print(f"RESULT: locked stock WRONG on {', '.join(wrong) or 'no SKU'}; {len(locked['failed'])} failed")
+        return 1
+    print(f"RESULT: locked stock exact on all {len(SKUS)} SKUs")
+    return 0
+
+
 def main() -> int:
     began = time.monotonic()
     tmp = tempfile.mkdtemp(prefix="inventory-demo-")
@@ -71,13 +119,7 @@ def main() -> int:
         server.start()
         base = f"redis://127.0.0.1:{server.port}"
         os.environ["INVENTORY_REDIS_URL"] = base  # for `import app` below, and the workers
-        env = {"INVENTORY_REDIS_URL": base}  # `celery -A app` imports app.py from its cwd, HERE
-        for node in ("north", "south"):
-            w = WorkerProcess(
-                "app", pool="prefork", concurrency=2, name=f"{node}@%h", env=env, cwd=HERE,
-                logfile=os.path.join(tmp, f"{node}.log"),
-            )
-            workers.append(w.start())
+        start_workers(base, tmp, workers)
         print(f"redis-server {server.binary} on port {server.port} (private, no persistence)")
         nodes = ", ".join(w.nodename.replace("%h", socket.gethostname()) for w in workers)
         print(f"workers: {nodes} (prefork, 2 processes each)", flush=True)
@@ -100,38 +142,7 @@ def main() -> int:
         locked = run_phase(inventory, "locked", orders, deadline)
         print(f"{locked['seconds']:.1f} s\n")
 
-        print(f"{'SKU':<8}{'orders':>8}{'expected':>10}{'plain':>8}{'locked':>8}")
-        for sku in SKUS:
-            n = sum(1 for s, _ in orders if s == sku)
-            p, lk = plain["stock"][sku], locked["stock"][sku]
-            print(
-                f"{sku:<8}{n:>8}{expected[sku]:>10}{p:>8}{lk:>8}"
-                f"{'' if lk == expected[sku] else '   <- WRONG'}"
-            )
-        lost = sum(plain["stock"][s] - expected[s] for s in SKUS)
-        wrong = [s for s in SKUS if locked["stock"][s] != expected[s]]
-        dup = locked["duplicates"]
-        print()
-        if lost:
-            print(f"plain task:  lost {lost} units of deductions to overlapping read-modify-writes, as expected")
-        else:
-            print("plain task:  lost no update this time (the race depends on timing)")
-        print(
-            f"locked task: {dup.get('retry', 0)} duplicates waited their turn (one park and one hand-off each), "
-            f"skipped {dup.get('skip', 0)}, "
-            f"failed {len(locked['failed'])}"
-        )
-        print(
-            f"wall time:   plain {plain['seconds']:.1f} s, locked {locked['seconds']:.1f} s; "
-            f"start-up {ready_at - began:.1f} s; total {time.monotonic() - began:.1f} s"
-        )
-        for exc in locked["failed"][:3]:
-            print(f"  failure: {exc!r}")
-        if wrong or locked["failed"]:
-            print(f"RESULT: locked stock WRONG on {', '.join(wrong) or 'no SKU'}; {len(locked['failed'])} failed")
-            return 1
-        print(f"RESULT: locked stock exact on all {len(SKUS)} SKUs")
-        return 0
+        return report(orders, expected, plain, locked, began, ready_at)
     except Exception as exc:
         crashed = True
         print(f"\ndemo failed: {type(exc).__name__}: {exc}")

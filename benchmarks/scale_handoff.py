@@ -1,0 +1,133 @@
+"""scale.py's mode ``handoff``: hand-off latency for plain code, processes queueing on one key.
+
+    python scale.py handoff --lock-url URL --impl ours|redis-py|python-redis-lock --procs 8 --rounds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+import redis
+
+
+def plain_handoff(args: argparse.Namespace) -> dict:
+    """Hand-off latency for plain code: processes queue on one key, each takes it once per round.
+
+    Per round, ``--procs`` processes start at a barrier, each one a random 0-100 ms
+    later (so redis-py's 0.1 s polls do not all fall in step) blocks on the key; the
+    first to get it holds it until all the others are waiting (then 20 ms more, so
+    they are parked / blocked / polling), every later one holds it ``--hold`` s.
+    Latency = the previous holder's exit from its block (just before its release)
+    -> the next holder's entry, in entry order.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    procs, rounds = args.procs, args.rounds
+    barrier = ctx.Barrier(procs)
+    waiting = ctx.Array("i", rounds)
+    entered = ctx.Array("i", rounds)
+    out = ctx.Queue()
+    tag = f"{os.getpid()}-{random.getrandbits(32):08x}"
+    workers = [ctx.Process(target=_handoff_proc, args=(args, tag, i, barrier, waiting, entered, out))
+               for i in range(procs)]
+    for w in workers:
+        w.start()
+    rows = []
+    try:
+        for _ in range(procs * rounds):
+            row = out.get(timeout=300)
+            if row[0] == "error":
+                raise RuntimeError(f"{args.impl}, process {row[3]}: {row[1]}")
+            rows.append(row)
+    finally:
+        for w in workers:
+            w.join(10)
+            if w.is_alive():
+                w.kill()
+    gaps = []
+    for r in range(rounds):
+        entries = sorted((t_in, t_out) for rr, t_in, t_out, _ in rows if rr == r)
+        gaps += [(entries[i][0] - entries[i - 1][1]) / 1e6 for i in range(1, len(entries))]
+    gaps.sort()
+    return {
+        "impl": args.impl, "procs": procs, "rounds": rounds, "hold_s": args.hold, "handoffs": len(gaps),
+        "overlaps": sum(1 for g in gaps if g < 0),
+        "p50_ms": gaps[len(gaps) // 2] if gaps else None,
+        "p99_ms": gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] if gaps else None,
+        "max_ms": gaps[-1] if gaps else None,
+        "mean_ms": sum(gaps) / len(gaps) if gaps else None,
+    }
+
+
+def _handoff_proc(args, tag, index, barrier, waiting, entered, out) -> None:
+    """One process of plain_handoff: take the key once per round, the way ``args.impl`` blocks."""
+    rng = random.Random(index)
+    try:
+        hold = _holder(args)
+        for r in range(args.rounds):
+            name = f"bench:handoff:{tag}:{r}"
+            barrier.wait(120)
+            time.sleep(rng.uniform(0, 0.1))  # start at a random phase of redis-py's 0.1 s polling
+            with waiting.get_lock():
+                waiting[r] += 1
+
+            def body(r=r):
+                t_in = time.monotonic_ns()
+                with entered.get_lock():
+                    first = entered[r] == 0
+                    entered[r] += 1
+                if first:  # hold until every other process is blocked on the key
+                    deadline = time.monotonic() + 60
+                    while waiting[r] < args.procs and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                    time.sleep(0.02)
+                else:
+                    time.sleep(args.hold)
+                return t_in, time.monotonic_ns()
+
+            t_in, t_out = hold(name, body)
+            out.put((r, t_in, t_out, index))
+    except Exception as exc:
+        out.put(("error", f"{type(exc).__name__}: {exc}", 0, index))
+    finally:
+        out.close()
+        out.join_thread()
+        os._exit(0)
+
+
+def _holder(args):
+    """``hold(name, body)``: run ``body`` holding the key ``name``, waiting for it the way ``args.impl`` does."""
+    if args.impl == "ours":
+        from celery_singleton_lock import held
+
+        def hold(name, body):
+            with held(args.lock_url, name, 30.0, wait=120.0):
+                return body()
+    elif args.impl == "redis-py":
+        client = redis.Redis.from_url(args.lock_url)
+
+        def hold(name, body):  # redis-py's blocking Lock: SET NX, else sleep 0.1 s and try again
+            lock = client.lock(name, timeout=30, sleep=0.1, blocking_timeout=120)
+            if not lock.acquire():
+                raise RuntimeError("redis-py Lock: blocking_timeout ran out")
+            try:
+                return body()
+            finally:
+                lock.release()
+    else:
+        import redis_lock
+
+        client = redis.StrictRedis.from_url(args.lock_url)
+
+        def hold(name, body):  # python-redis-lock: SET NX, else BLPOP on its signal key
+            lock = redis_lock.Lock(client, name, expire=30)
+            lock.acquire(blocking=True)  # its timeout may not exceed expire; the parent has one
+            try:
+                return body()
+            finally:
+                lock.release()
+    return hold
