@@ -218,10 +218,10 @@ class EtcdLine:
         self.server.dispatch(handoffs)
         return reserved
 
-    def _leave(self, key: str, entry: str) -> tuple[bool, list[Handoff]]:
+    def _leave(self, key: str, entry: str, request_id: str = "") -> tuple[bool, list[Handoff]]:
         turn = layout.etcd_turn(key)
         out = [*(_delete(waiter_key(key, b, entry)) for b in layout.ETCD_BANDS),
-               _put(layout.etcd_gone(key, entry), b"", self._lease(GONE_FOR))]
+               _put(layout.etcd_gone(key, entry), request_id.encode(), self._lease(GONE_FOR))]
         reply = self._txn([_compare_value(turn, entry)], [_delete(turn), *out], out, key)
         if not reply.get("succeeded"):
             return False, []
@@ -373,16 +373,27 @@ class EtcdLine:
             return out
         return out + self.hand_on(key)
 
-    def remove(self, owner_id: str) -> list[str]:
-        """Take task ``owner_id`` out of every line (a revoke): the keys it left."""
+    def remove(self, owner_id: str, request_id: str = "") -> list[str]:
+        """Take task ``owner_id`` out of every line (a revoke): the keys it left. The tombstones it leaves
+        name ``request_id``, so a try sent again after a reply was lost finds the keys an earlier try
+        left (their waiters are gone from the lines by then), and moves them on."""
+        left = self._left_by(request_id) if request_id else []
+        for key in left:
+            self.server.dispatch(self.hand_on(key))  # (the lost try's own hand-on may not have run)
         prefix = layout.ETCD_ROOT + "line/"
         reply = self.server.transport.call("/kv/range", prefix_range(prefix)["request_range"])
-        left = []
         for kv in reply.get("kvs") or []:
             waiter = layout.Waiter.parse(unb64(kv.get("value")))
             if waiter.owner != owner_id or waiter.kind == "p":
                 continue
             key, _, rest = unb64(kv["key"]).decode()[len(prefix):].partition("\x00")
-            self.server.dispatch(self._leave(key, rest[1:])[1])
+            self.server.dispatch(self._leave(key, rest[1:], request_id)[1])
             left.append(key)
-        return left
+        return list(dict.fromkeys(left))
+
+    def _left_by(self, request_id: str) -> list[str]:
+        """The keys whose tombstones name ``request_id``."""
+        prefix = layout.ETCD_ROOT + "gone/"
+        reply = self.server.transport.call("/kv/range", prefix_range(prefix)["request_range"])
+        return [unb64(kv["key"]).decode()[len(prefix):].partition("\x00")[0] for kv in reply.get("kvs") or []
+                if unb64(kv.get("value")) == request_id.encode()]

@@ -103,7 +103,7 @@ def take_out(app: Any, look: Look | str) -> list[str] | None:
         try:
             own = queue.own_line(server)
             answered = look.answered.setdefault((id(server), index), {})
-            keys = own.remove(look.task_id) if own is not None else line_ops.remove_everywhere(
+            keys = own.remove(look.task_id, look.request_id) if own is not None else line_ops.remove_everywhere(
                 server, index, look.task_id, look.request_id, answered)
             for key in keys:  # a coalescing waiter's merged calls did not run: they go again
                 coalescing.send_again(app, server, key, look.task_id)

@@ -232,3 +232,37 @@ def test_a_revoked_task_leaves_every_line_it_waits_in(server):
     assert lines.line(server, first) == ["kept"] and lines.line(server, second) == []
     assert [(h.what, h.owner_id) for h in server.sent] == [("run", "kept")]  # the reserved key passed on
     server.release(other)
+
+
+def test_a_revoke_whose_leave_reply_was_lost_still_finds_the_key_it_left(server, own_etcd):
+    """A revoke takes a waiter out (the leave's txn runs), and the reply is lost: the look fails. The
+    revoke looks again with the same request id, and by then the waiter is gone from every line. It
+    used to find nothing (so its task was never stored REVOKED and stayed WAITING for ever); the
+    tombstone its first try left names the request id, so the look answers with that key, and the
+    line moves on."""
+    from _fault_proxy import FaultProxy
+
+    from celery_singleton_lock.exceptions import LockBackendUnavailable
+
+    name = new_name()
+    holder = server.acquire(name, 30, owner_id="holder")
+    assert isinstance(holder, Lock)
+    park(server, name, "doomed")
+    park(server, name, "kept")
+    server.release(holder)  # reserved for "doomed": its leave must pass the key on
+    proxy = FaultProxy(own_etcd.members[0].client_port)
+    behind = EtcdLockServer.from_url(f"etcd://127.0.0.1:{proxy.port}")
+    behind.sent = []
+    behind.send_handoff = lambda _srv, handoff: behind.sent.append(handoff) is None
+    try:
+        proxy.arm(b"/v3/kv/txn", 1)
+        with pytest.raises(LockBackendUnavailable):
+            behind.waiting.remove("doomed", "look-1")
+        assert proxy.dropped == [b"/v3/kv/txn"], "the leave's reply was not lost: the test did not run its fault"
+        assert lines.line(server, name) == ["kept"], "the lost leave did not run"
+        assert behind.waiting.remove("doomed", "look-1") == [holder.key]
+        assert [(h.what, h.owner_id) for h in behind.sent] == [("run", "kept")]  # the key passed on
+        assert behind.waiting.remove("doomed", "look-2") == []  # another look: nothing of it left
+    finally:
+        behind.close()
+        proxy.close()
