@@ -1,0 +1,63 @@
+"""A reply lost on the way back from etcd, through real prefork workers: the lock server (etcd) runs
+the call, and the fault proxy in front of it drops the reply and resets the connection.
+
+The workers run tests/apps/slot_faults_app.py with their locks on a private etcd member, reached
+through the proxy (CSL_LOCK_URL); broker, results and journal on a private Redis.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _clusters import new_key, runs, started, state_of, worker_cluster
+from _etcd_servers import running_etcd
+from _fault_proxy import FaultProxy
+
+from celery_singleton_lock.engine import line as queue
+from celery_singleton_lock.testing.servers import wait_until
+from celery_singleton_lock.topologies.etcd import EtcdLockServer
+from celery_singleton_lock.topologies.etcd_line import waiter_key
+from celery_singleton_lock.topologies.etcd_session import b64
+
+pytestmark = pytest.mark.timeout(120)
+
+TIMEOUT = 40
+
+
+@pytest.fixture(scope="module")
+def etcd_env(tmp_path_factory):
+    """One worker node (its revoke look is the only one: a second node's look could find the waiter
+    before the first's lost leave ran), its locks on etcd behind the fault proxy."""
+    with running_etcd(members=1) as cluster, pytest.MonkeyPatch.context() as patch:
+        proxy = FaultProxy(cluster.members[0].client_port)
+        patch.setenv("CSL_LOCK_URL", f"etcd://127.0.0.1:{proxy.port}")
+        etcd = EtcdLockServer.from_url(cluster.url())
+        try:
+            with worker_cluster("slot_faults_app", tmp_path_factory.mktemp("etcd"), nodes=1) as module:
+                module.proxy, module.etcd = proxy, etcd
+                yield module
+        finally:
+            etcd.close()
+            proxy.close()
+
+
+def test_a_revoked_waiter_whose_leave_reply_is_lost_ends_revoked(etcd_env):
+    """A waiter parked on etcd is revoked; the worker's leave (a txn that deletes the waiter and puts its
+    tombstone) runs, and its reply is lost. The look is tried again 2 s later, when the waiter is gone
+    from every line: it used to find nothing, and the waiter stayed WAITING for ever. It finds the
+    tombstone its first try left (it names the look), stores REVOKED, and the line moves on."""
+    env = etcd_env
+    k = new_key()
+    holder = env.inline.delay(k, 3.0, "holder")
+    started(env, k)
+    waiter = env.inline.delay(k, 0.1, "waiter")
+    lock_key = env.inline.lock_key_for((k,), {})
+    wait_until(lambda: queue.line(env.etcd, lock_key) == [waiter.id], TIMEOUT, what="the waiter to park")
+    # the leave's txn deletes the waiter's key: its base64 is in the request
+    env.proxy.arm(b64(waiter_key(lock_key, "1", queue.entry_for(waiter.id))).encode(), 1)
+    waiter.revoke()
+    wait_until(lambda: state_of(waiter) == "REVOKED", TIMEOUT, what="the revoked waiter to end REVOKED")
+    assert env.proxy.dropped, "the leave's reply was not lost: the test did not run its fault"
+    after = env.inline.delay(k, 0.1, "after")
+    holder.get(timeout=TIMEOUT)
+    after.get(timeout=TIMEOUT)
+    assert sorted(r["tag"] for r in runs(env, k)) == ["after", "holder"]  # the waiter never ran
