@@ -17,7 +17,7 @@ while this script publishes calls on a few SKUs, all acks_late and reject_on_wor
 
 The workers reach the lock Redis through a fault proxy. Faults, at random:
 
-* ``lost``: the reply of the next call of a random call of the line (LINE_CALLS) is lost after
+* ``lost``: the reply of the next call of a random script of the line (LINE_SCRIPTS) is lost after
   Redis ran it, and the client's connection reset (the client sends the call again);
 * ``reset``: every connection to the lock Redis closed, and new ones refused for half a second;
 * ``stop``: the lock Redis SIGSTOPped past the lock TTL, then resumed (holders' locks run out);
@@ -63,16 +63,14 @@ from chaos_check import Call, Loss, check  # noqa: E402
 from celery_singleton_lock.engine import dedupe, line_scripts, scripts  # noqa: E402
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess  # noqa: E402
 
-LINE_CALLS = {
-    name: sha_of(script) for name, script in {
-        "ACQUIRE": scripts.ACQUIRE, "RELEASE": scripts.RELEASE, "PARK": line_scripts.PARK,  # (PARK merges too)
-        "SWEEP": line_scripts.SWEEP, "LEAVE": line_scripts.LEAVE, "UNBLOCK": line_scripts.UNBLOCK,
-        "PUBLISH": dedupe.PUBLISH, "UNMARK": dedupe.UNMARK,
-    }.items()
-} | {"merged calls": b":m:"}
-"""What a ``lost`` fault drops the reply of, by the bytes its request carries (a script's SHA, or a key):
-the line's calls that change it, with the coalescing waiter's read and drop of its merged calls
-(an LRANGE and a DEL of ``K:m:<owner>``) and the publish mark's delete at a joined call's start (UNMARK)."""
+LINE_SCRIPTS = {
+    "ACQUIRE": scripts.ACQUIRE, "RELEASE": scripts.RELEASE, "PARK": line_scripts.PARK,  # (PARK merges too)
+    "SWEEP": line_scripts.SWEEP, "LEAVE": line_scripts.LEAVE, "UNBLOCK": line_scripts.UNBLOCK,
+    "PUBLISH": dedupe.PUBLISH, "UNMARK": dedupe.UNMARK, "TAKE_MERGED": dedupe.TAKE_MERGED,
+}
+"""The scripts whose reply a ``lost`` fault drops (the line's calls that change it): the coalescing
+waiter's read and drop of its merged calls (TAKE_MERGED) and the publish mark's delete at a joined
+call's start (UNMARK) with the rest."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -189,9 +187,10 @@ def publish(app, results: dict[str, Call], rng: random.Random, sent: int, sku: s
 def inject(kind: str, workers: list[WorkerProcess], locks: RedisServer, proxy: FaultProxy, rng: random.Random,
            losses: list[Loss], ttl: float) -> None:
     if kind == "lost":
-        name = rng.choice(sorted(LINE_CALLS))
-        say(f"the next reply of {name} ({LINE_CALLS[name][:8].decode()}) is lost")
-        proxy.arm(LINE_CALLS[name], 1)
+        name = rng.choice(sorted(LINE_SCRIPTS))
+        sha = sha_of(LINE_SCRIPTS[name])
+        say(f"the next reply of {name} ({sha[:8].decode()}) is lost")
+        proxy.arm(sha, 1)
     elif kind == "reset":
         say("connections to the lock Redis reset, refused for 0.5 s")
         proxy.blackout(0.5)

@@ -93,7 +93,7 @@ def settle(task: Any, request: Any, state: str | None, value: Any = None, exc: B
     try:  # before they are sent again it is tried harder: a call sent again that found its old record
         # would count itself merged into this finished run, and wait for ever; a settled call's record
         # only has to expire (its redelivery stays merged, covered)
-        kept.tried(lambda _: dedupe.drop_merged(server, key, owner, [_id(call) for call in resend]),
+        kept.tried(lambda rid: dedupe.drop_merged(server, key, owner, sent_again=bool(resend), request_id=rid),
                    tries=5 if resend else 1)
     except LockError as exc:
         logger.warning("lock %s: the merged calls of %s stay until they expire: %s", key, owner, exc)
@@ -123,7 +123,7 @@ def send_again(app: Any, server: Any, key: str, owner: str) -> int:
         return 0
     calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
     if calls:
-        dedupe.drop_merged(server, key, owner, [_id(call) for call in calls])
+        dedupe.drop_merged(server, key, owner, sent_again=True)
     for call in calls:
         app.signature(call).apply_async()
     return len(calls)

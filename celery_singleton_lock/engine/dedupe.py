@@ -14,20 +14,17 @@ Two records beside a lock, in its hash slot (see :mod:`.layout`):
 * **Merged calls** ``K:m:<owner>``: ``on_duplicate="coalesce"`` merges a duplicate into
   the waiter last in line (``line.park(..., merge=True)``, atomic with the look at
   the line), instead of adding a run. The waiter's run reads them when it starts
-  (:func:`merged_calls`) and deletes them once it has settled them (:func:`drop_merged`):
-  plain commands, each safe to send twice.
+  (:func:`merged_calls`) and deletes them once it has settled them (:func:`drop_merged`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-
-from redis.exceptions import RedisError
 
 from . import layout
 from .kept import kept
 from .lock import slot_safe
+from .refusals import REDIS_ERRORS
 from .server import LockServer
 
 PUBLISH = """
@@ -62,6 +59,25 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+TAKE_MERGED = """
+-- KEYS[1] the merged task ids of a waiter, KEYS[2] their messages, KEYS[3] the lock; ARGV[1] ''
+-- to read them (the messages, oldest first), '1' to delete them (settled: a redelivery of one
+-- stays merged until LOCK:mo:<id> expires), '2' to delete them and where they went (sent again).
+local ids = redis.call('LRANGE', KEYS[1], 0, -1)
+if ARGV[1] ~= '' then
+  if ARGV[1] == '2' then
+    for _, id in ipairs(ids) do redis.call('DEL', KEYS[3] .. ':mo:' .. id) end
+  end
+  return redis.call('DEL', KEYS[1], KEYS[2])
+end
+if #ids == 0 then return {} end
+local out = {}
+for _, m in ipairs(redis.call('HMGET', KEYS[2], unpack(ids))) do
+  if m then out[#out + 1] = m end                               -- (one revoked since: gone)
+end
+return out
+"""
+
 JOINED = {1: "queued", 2: "waiting", 3: "running"}
 
 
@@ -90,7 +106,7 @@ def remark(server: LockServer, name: str, task_id: str, ttl_ms: int) -> None:
     key = slot_safe(name)
     try:
         server.client.set(layout.publish_mark(key), task_id, nx=True, px=ttl_ms)
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise server.error(exc, key) from exc
 
 
@@ -101,37 +117,17 @@ def unmark(server: LockServer, name: str, task_id: str) -> bool:
 
 
 def merged_calls(server: LockServer, name: str, owner: str) -> list[bytes]:
-    """The parked messages of the calls merged into waiting task ``owner``, oldest first: one LRANGE,
-    safe to send twice. (A call merged by a worker of release 0.2 is its bare task id, and its message
-    is in ``K:mm:<owner>``, read for a rolling upgrade.)"""
+    """The parked messages of the calls merged into waiting task ``owner``, oldest first."""
     key = slot_safe(name)
-    try:
-        calls: list[bytes] = server.client.lrange(layout.merged(key, owner), 0, -1)  # type: ignore[assignment]
-        old = [c for c in calls if b"\n" not in c]
-        messages: list[bytes | None] = server.client.hmget(_v02(key, owner), old) if old else []  # type: ignore[assignment]
-    except RedisError as exc:
-        raise server.error(exc, key) from exc
-    olds = dict(zip(old, messages, strict=True))
-    out = [c.split(b"\n", 1)[1] if b"\n" in c else olds.get(c) for c in calls]
-    return [m for m in out if m is not None]  # (a 0.2 call revoked since: gone)
+    return [bytes(m) for m in server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("",))]
 
 
-def drop_merged(server: LockServer, name: str, owner: str, sent_again: Sequence[str] = ()) -> None:
-    """Forget the calls merged into ``owner``: its run has settled them, or they were published again
-    as they were (``sent_again``: their task ids), and a copy of one must not find itself merged still.
-    One DEL, safe to send twice. A settled call's "merged into" record stays until it expires, so a
-    redelivery of it stays merged (covered)."""
+def drop_merged(server: LockServer, name: str, owner: str, *, sent_again: bool = False, request_id: str = "") -> None:
+    """Forget the calls merged into ``owner``: its run has settled them, or (``sent_again``) they were
+    published again as they were, and a copy of one must not find itself merged still.
+    ``request_id``: see :func:`.kept.tried`."""
     key = slot_safe(name)
-    try:
-        server.client.delete(layout.merged(key, owner), _v02(key, owner),
-                             *(layout.merged_into(key, task_id) for task_id in sent_again))
-    except RedisError as exc:
-        raise server.error(exc, key) from exc
-
-
-def _v02(key: str, owner: str) -> str:
-    """Where release 0.2 kept the messages of the calls merged into ``owner`` (read while upgrading)."""
-    return f"{key}:mm:{owner}"
+    server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("2" if sent_again else "1",), request_id=request_id)
 
 # Each call of these is safe to send twice: its reply is kept under its request id (engine/kept.py).
-PUBLISH, UNMARK = map(kept, (PUBLISH, UNMARK))
+PUBLISH, UNMARK, TAKE_MERGED = map(kept, (PUBLISH, UNMARK, TAKE_MERGED))

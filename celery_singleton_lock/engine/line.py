@@ -48,12 +48,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, cast
 
-from redis.exceptions import RedisError
-
 from ..exceptions import LockBackendUnavailable, LockError
 from . import layout, line_scripts
 from .backend import LockBackend
 from .lock import Handoff, Holder, Lock, Verdict, ms, slot_safe
+from .refusals import REDIS_ERRORS
 from .server import LockServer
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -129,7 +128,7 @@ class Waiting(Protocol):
 
     def sweep_all(self, sweepable: Callable[[str], bool]) -> int: ...
 
-    def remove(self, owner_id: str, request_id: str = "") -> list[str]: ...
+    def remove(self, owner_id: str, request_id: str = "", again: bool = False) -> list[str]: ...
 
     def drop(self, name: str, owner_id: str) -> tuple[int, tuple[Handoff, ...]]: ...
 
@@ -210,7 +209,7 @@ def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> S
     try:
         if server.client.blpop([layout.wake(slot_safe(name), entry)], timeout=seconds):
             return Slot.WOKEN
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         logger.warning("lock %s: waiting in the worker slot failed (%s); parked instead", name, exc)
     return stop_waiting(server, name, entry)
 
@@ -255,7 +254,7 @@ def line(server: LockBackend, name: str) -> list[str]:
     try:
         entries = server.client.lrange(layout.line(key), 0, -1)
         records = server.client.hmget(layout.waiters(key), entries) if entries else []
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise server.error(exc, key) from exc
     return [layout.Waiter.parse(rec).owner for rec in records if isinstance(rec, bytes)]
 
@@ -273,7 +272,7 @@ def announce(server: LockBackend, index: str, name: str) -> None:
     assert isinstance(server, LockServer)
     try:  # score 0: due at once (safe to send twice: the same score again)
         server.client.zadd(index, {slot_safe(name): 0})
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise server.error(exc, index) from exc
 
 
@@ -355,7 +354,7 @@ def _wait_step(server: LockServer, name: str, ttl: float, owner_id: str | None, 
     block = max(0.01, min(left, expiry, LONGEST_BLOCK))
     try:
         server.client.blpop([layout.wake(slot_safe(name), at.entry)], timeout=block)
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise server.error(exc, name) from exc
     return None
 

@@ -13,13 +13,12 @@ Redis: :meth:`.server.LockServer.force_release`). Engine code: it knows nothing 
 
 from __future__ import annotations
 
-from redis.exceptions import RedisError
-
 from . import scripts
 from .backend import LockBackend
 from .kept import kept
 from .line import own_line
 from .lock import Handoff, slot_safe
+from .refusals import REDIS_ERRORS
 from .server import LockServer
 
 REMOVE = scripts._HAND_OFF + """
@@ -32,14 +31,9 @@ REMOVE = scripts._HAND_OFF + """
 local held = redis.call('GET', LOCK) or ''
 local removed, reserved = 0, false
 local into = redis.call('GET', LOCK .. ':mo:' .. ARGV[1])
-if into then                                                    -- "<task id>\\n<message>" (0.2: the bare id)
-  local calls = LOCK .. ':m:' .. into
-  for _, call in ipairs(redis.call('LRANGE', calls, 0, -1)) do
-    if call == ARGV[1] or string.sub(call, 1, #ARGV[1] + 1) == ARGV[1] .. '\\n' then
-      redis.call('LREM', calls, 1, call)
-      removed = 1
-    end
-  end
+if into and redis.call('HDEL', LOCK .. ':mm:' .. into, ARGV[1]) == 1 then
+  redis.call('LREM', LOCK .. ':m:' .. into, 0, ARGV[1])
+  removed = 1
 end
 local flat = redis.call('HGETALL', WAITERS)
 for i = 1, #flat, 2 do
@@ -86,7 +80,7 @@ def remove_everywhere(server: LockServer, index: str, owner_id: str, request_id:
     answered = {} if answered is None else answered
     try:
         keys = server.client.zrange(index, 0, -1)
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise server.error(exc, index) from exc
     for raw in keys:
         key = raw.decode() if isinstance(raw, bytes) else str(raw)

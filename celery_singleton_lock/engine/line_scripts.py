@@ -15,7 +15,7 @@ PARK = _KEYS + """
 -- ARGV[9] '1' for a broker redelivery: if the entry left for good (a tombstone),
 -- its turn was taken already and {3} is returned (nothing parked).
 -- ARGV[10] '1' to merge instead (on_duplicate="coalesce"): if the last in line is a parked task,
--- the call joins that waiter's merged calls (LOCK:m:<its owner>, once per task id: LOCK:mo:<task
+-- the call joins that waiter's merged calls (LOCK:m:<its owner>, once per task id; LOCK:mo:<task
 -- id> says where it went) and {4, entry, owner} is returned.
 -- ARGV[11] ms the task waits in its worker slot ('0' none): state 'b', and LOCK:b:<entry> lives that
 -- long; a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message.
@@ -54,12 +54,13 @@ if ARGV[10] == '1' then
   if rec then
     local kind, state, deadline, _, owner = parse(rec)
     if kind == 't' and state == 'p' and owner ~= ARGV[5] then  -- parked, its turn not come: merge into it
-      -- LOCK:m:<owner>: its merged calls, "<task id>\\n<message>", oldest first (each id once: one
-      -- merged already returned above), kept past the waiter's deadline and any reservation of its turn
+      -- LOCK:m:<owner> the merged ids in order, LOCK:mm:<owner> their messages; each id once
+      local ids, msgs = LOCK .. ':m:' .. owner, LOCK .. ':mm:' .. owner
+      if redis.call('HSETNX', msgs, ARGV[5], ARGV[6]) == 1 then redis.call('RPUSH', ids, ARGV[5]) end
+      -- kept past the waiter's deadline and any reservation of its turn (turn timeout)
       local keep = math.max(deadline - now, 0) + 600000
-      redis.call('RPUSH', LOCK .. ':m:' .. owner, ARGV[5] .. '\\n' .. ARGV[6])
-      redis.call('PEXPIRE', LOCK .. ':m:' .. owner, keep)
       redis.call('SET', LOCK .. ':mo:' .. ARGV[5], owner, 'PX', keep)
+      for _, k in ipairs({ids, msgs}) do redis.call('PEXPIRE', k, keep) end
       return {4, last, owner}
     end
   end
@@ -229,6 +230,6 @@ return 1
 PARK, SWEEP, UNBLOCK, LEAVE = map(kept, (PARK, SWEEP, UNBLOCK, LEAVE))
 # These are safe as they are, and keep nothing: TOUCH sets a deadline from now; CONFIRM finds its
 # mark made; INDEX_DONE sets scores; INDEX_DUE sent twice finds the keys its first send leased (their
-# score moved), so they are looked at when that lease ends, SWEEP_LEASE later. (A key is added to the
-# index by a plain ZADD, score 0: line.announce.)
+# score moved), so they are looked at when that lease ends, SWEEP_LEASE later. (A key joins the index
+# by a plain ZADD, score 0: line.announce.)
 TOUCH, CONFIRM, INDEX_DUE, INDEX_DONE = map(as_is, (TOUCH, CONFIRM, INDEX_DUE, INDEX_DONE))

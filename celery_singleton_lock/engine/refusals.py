@@ -20,6 +20,8 @@ from redis.exceptions import (
     NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
+    RedisClusterException,
+    RedisError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -29,10 +31,14 @@ from ..exceptions import LockBackendRefused, LockBackendUnavailable, LockError
 
 # Replies that mean "not now" rather than "never": a failover, a loading replica, a busy script, a slot
 # still moving after every redirect was followed.
+# A RedisClusterException (not a RedisError: a slot no node covers) is a cluster that cannot be reached now.
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, TryAgainError, ClusterDownError, OutOfMemoryError,
-              MovedError, AskError)
+              MovedError, AskError, RedisClusterException)
 _TRANSIENT_CODES = ("LOADING", "BUSY", "MASTERDOWN", "NOREPLICAS", "TRYAGAIN", "CLUSTERDOWN", "READONLY", "MOVED",
                     "ASK ")
+
+REDIS_ERRORS = (RedisError, RedisClusterException)
+"""What a redis-py call can raise when the server does not do it: a Cluster's own errors are not RedisErrors."""
 
 _DENIED = (AuthenticationError, AuthorizationError, AuthenticationWrongNumberOfArgsError, NoPermissionError)
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from ..exceptions import LockBackendUnavailable, LockError
@@ -29,6 +28,7 @@ from .addresses import redact_url
 from .backend import ForceReleased, HandoffSender
 from .lock import Done, Forced, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, ms, slot_safe
 from .plumbing import DEFAULT_REPLICA_TIMEOUT, ScriptClient, Unreplicated
+from .refusals import REDIS_ERRORS
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -278,7 +278,7 @@ class LockServer(ScriptClient):
         sent = time.monotonic()
         try:
             replies = self._renew_replies(chunks)
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             return [self.error(exc, locks[0].key)] * len(locks)
         if self.min_replicas > 0:
             acked = replies.pop()
@@ -346,7 +346,7 @@ class LockServer(ScriptClient):
             pipe.get(key)
             pipe.pttl(key)
             value, pttl = pipe.execute()
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise self.error(exc, key) from exc
         return None if value is None else Holder.parse(key, value, pttl)
 

@@ -13,13 +13,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
-
 from ..exceptions import LockError
 from . import layout, line_scripts
 from .backend import LockBackend
 from .line import SWEEP_BATCH, SWEEP_INTERVAL, SWEEP_LEASE, own_line, sweep
 from .lock import Handoff, ms, slot_safe
+from .refusals import REDIS_ERRORS
 from .server import LockServer
 
 logger = logging.getLogger("celery_singleton_lock")
@@ -183,7 +182,7 @@ class Sweeper:
                     pipe.hexists(layout.waiters(p.key), p.entry)
                     pipe.zscore(layout.gone(p.key), p.entry)
                 answers = pipe.execute()
-            except RedisError:
+            except REDIS_ERRORS:
                 continue  # unreachable: keep them, look again next round
             lost = []
             with self._cond:

@@ -103,8 +103,10 @@ def take_out(app: Any, look: Look | str) -> list[str] | None:
         try:
             own = queue.own_line(server)
             answered = look.answered.setdefault((id(server), index), {})
-            keys = own.remove(look.task_id, look.request_id) if own is not None else line_ops.remove_everywhere(
-                server, index, look.task_id, look.request_id, answered)
+            if own is not None:  # (a look tried again also finds what a lost try took out: see etcd_line)
+                keys = own.remove(look.task_id, look.request_id, again=look.tries < TRIES)
+            else:
+                keys = line_ops.remove_everywhere(server, index, look.task_id, look.request_id, answered)
             for key in keys:  # a coalescing waiter's merged calls did not run: they go again
                 coalescing.send_again(app, server, key, look.task_id)
             left += keys

@@ -125,29 +125,6 @@ def test_merge_goes_into_a_parked_task_only(redis_server):
     assert dedupe.merged_calls(server, key, merged.into_owner) == []
 
 
-def test_calls_merged_by_a_worker_of_0_2_are_read_settled_and_revoked(redis_server):
-    """Release 0.2 kept a merged call as its bare task id in ``K:m:<owner>`` and its message in
-    ``K:mm:<owner>``: across a rolling upgrade the waiter's run still reads it (beside one merged
-    now), a revoke still takes it out, and forgetting them deletes both keys."""
-    from celery_singleton_lock.engine import line_ops
-
-    server = LockServer.from_url(redis_server.url(2))
-    key = f"t:{{{uuid.uuid4().hex}}}"
-    server.acquire(key, 5, owner_id="holder")
-    queue.park(server, key, queue.entry_for("w1"), kind="t", wait=10, ttl=5, owner_id="w1", message=b"1", merge=True)
-    client = server.client
-    client.rpush(layout.merged(key, "w1"), b"old")  # as 0.2 merged it
-    client.hset(f"{key}:mm:w1", b"old", b"0.2's message")
-    client.set(layout.merged_into(key, "old"), "w1")
-    assert queue.park(server, key, queue.entry_for("new"), kind="t", wait=10, ttl=5, owner_id="new",
-                      message=b"new message", merge=True).found is queue.Park.MERGED
-    assert dedupe.merged_calls(server, key, "w1") == [b"0.2's message", b"new message"]
-    assert line_ops.remove(server, key, "old")[0] == 1  # revoked
-    assert dedupe.merged_calls(server, key, "w1") == [b"new message"]
-    dedupe.drop_merged(server, key, "w1", ["new"])
-    assert not client.exists(layout.merged(key, "w1"), f"{key}:mm:w1", layout.merged_into(key, "new"))
-
-
 def test_celery_locks_shows_a_cooldown_with_the_time_left(worker_app):
     """`celery locks list` and `show` print a cooldown as such (no holder), with the time left."""
     server = LockServer.from_url(worker_app.app.conf.singleton_lock_url)

@@ -86,13 +86,12 @@ def test_a_line_of_waiters_with_one_reply_lost(env, script):
     assert [r["tag"] for r in sorted(done, key=lambda r: r["start"])][0] == "holder"
 
 
-@pytest.mark.parametrize("script", ["PARK", "merged-read"])
+@pytest.mark.parametrize("script", ["PARK", "TAKE_MERGED"])
 def test_a_coalesced_call_with_one_reply_lost(env, script):
     """A holder, a waiter, and a call merged into the waiter: the reply of the merge (a PARK that
-    finds the waiter) or of the waiter's read of its merged calls (an LRANGE) is lost. One run covers both."""
+    finds the waiter) or of the waiter's read of its merged calls is lost. One run covers both."""
+    pattern = sha_of(line_scripts.PARK if script == "PARK" else dedupe.TAKE_MERGED)
     k, holder, waiter = waiter_parked(env, env.merging, 1.0)
-    pattern = (sha_of(line_scripts.PARK) if script == "PARK"
-               else layout.merged(env.merging.lock_key_for((k,), {}), waiter.id).encode())
     env.proxy.arm(pattern, 1)
     merged = env.merging.delay(k, 0.1, "merged")
     checked(env, k, pattern, [holder, waiter, merged], ["holder", "merged"])
@@ -167,12 +166,12 @@ def test_an_expired_coalescing_turn_that_cannot_read_its_merged_calls_fails_them
     merged into it; the turn that fails them cannot read the merged calls (the read meets a dead
     connection twice). It used to end with LockBackendUnavailable, its merged call WAITING for ever.
     It is sent again, still expired: both end LockWaitTimeout, each errback fires once, neither runs."""
+    take = sha_of(dedupe.TAKE_MERGED)
     k = new_key()
     errback = env.errback_log.s()
     holder = env.merging_impatient.apply_async((k, 4.0, "holder"), link_error=errback)
     started(env, k)
     waiter = env.merging_impatient.apply_async((k, 0.1, "waiter"), link_error=errback)
-    take = layout.merged(env.merging_impatient.lock_key_for((k,), {}), waiter.id).encode()
     parked(env, env.merging_impatient, k)
     merged = env.merging_impatient.apply_async((k, 0.1, "merged"), link_error=errback)
     wait_until(lambda: (merged.backend.get_task_meta(merged.id, cache=False)["result"] or {}).get("merged_into")
@@ -202,8 +201,7 @@ def test_a_revoked_waiter_whose_removal_replies_are_lost_ends_revoked(env):
 @pytest.mark.parametrize("ending", ["ignored", "succeeded"])
 def test_a_coalescing_run_whose_merged_calls_cannot_be_read_again_settles_or_sends_each_once(env, ending):
     """A coalescing waiter's run covers a call merged into it; when the run ends, reading the merged
-    calls again meets a dead connection (a plain LRANGE: sent once), and so does forgetting them (a
-    DEL, tried up to five times before calls are sent again: three refused here). The run ends:
+    calls again meets a dead connection twice, and forgetting them twice too. The run ends:
 
     * ``succeeded``: the merged call is settled with the run's value. It used to be sent again as if
       not covered: it then found its old record ("merged into" the finished run) and waited for
@@ -223,9 +221,9 @@ def test_a_coalescing_run_whose_merged_calls_cannot_be_read_again_settles_or_sen
     if ending == "ignored":
         env.journal.sadd("ignore-run", waiter.id)
     wait_until(lambda: any(s["id"] == waiter.id for s in starts(env, k)), TIMEOUT, what="the waiter's run")
-    # the waiter's merged-call records name it: settling reads them, then forgets them
-    take = layout.merged(task.lock_key_for((k,), {}), waiter.id).encode()
-    env.proxy.refuse(take, 4 if ending == "ignored" else 2)
+    # the waiter's merged-call records name it: settling reads them (twice), then forgets them (twice)
+    take = layout.merged(task.lock_key_for((k,), {}), waiter.id)[0].encode()
+    env.proxy.refuse(take, 4)
     later = task.delay(k, 1.0, "later")  # parks: the key is held when a call comes again
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
     if ending == "succeeded":

@@ -19,7 +19,7 @@ from _clusters import new_key, runs, started, starts, state_of
 from _fault_proxy import sha_of
 from _task_support import assert_no_overlap
 
-from celery_singleton_lock.engine import layout, line_scripts, scripts
+from celery_singleton_lock.engine import dedupe, layout, line_scripts, scripts
 from celery_singleton_lock.testing.servers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -450,12 +450,12 @@ def test_a_coalescing_turn_that_cannot_read_its_merged_calls_is_sent_again_and_c
     """A coalescing waiter's turn took the key, then could not read the calls merged into it (the read
     met a dead connection twice): it used to fail with LockBackendUnavailable, the call lost and the
     merged call WAITING for ever. It is sent again, takes the key back, and its run covers both."""
+    take = sha_of(dedupe.TAKE_MERGED)
     k = new_key()
     holder = env.merging.delay(k, 1.0, "holder")
     started(env, k)
     lock_key = env.merging.lock_key_for((k,), {})
     waiter = env.merging.delay(k, 0.1, "waiter")
-    take = layout.merged(lock_key, waiter.id).encode()  # its LRANGE
     wait_until(lambda: env.locks.client(2).llen(layout.line(lock_key)) == 1, TIMEOUT, what="the waiter to park")
     merged = env.merging.delay(k, 0.1, "merged")
     wait_until(lambda: (state_of(merged), (merged.backend.get_task_meta(merged.id, cache=False)["result"] or {})

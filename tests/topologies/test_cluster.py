@@ -290,3 +290,24 @@ def test_celery_locks_list_show_and_release_see_every_master(cluster, server, re
     assert out.exit_code == 0 and "no locks held" in out.output
     for lk in held_locks:
         assert lk.renew() is False
+
+
+def test_plain_commands_on_a_cluster_that_cannot_be_reached_raise_a_lock_error():
+    """redis-py raises RedisClusterException, which is not a RedisError, once no node covers a slot: the
+    plain commands beside the scripts (the sweepers' index add, the line's read, a holder's read) say it
+    as a LockError (LockBackendUnavailable), which their callers catch, and not as redis-py's own."""
+    from celery_singleton_lock.exceptions import LockBackendUnavailable
+
+    with RedisClusterDeployment(masters=3, replicas=0) as cluster:
+        server = servers.from_settings(cluster.url())
+        key = f"t:{{{uuid.uuid4().hex}}}"
+        try:
+            queue.announce(server, "idx:{waiting}", key)  # reachable: no error
+            for node in cluster.servers:
+                node.stop()
+            for call in (lambda: queue.announce(server, "idx:{waiting}", key), lambda: queue.line(server, key),
+                         lambda: server.holder(key)):
+                with pytest.raises(LockBackendUnavailable):
+                    call()
+        finally:
+            server.close()
