@@ -15,15 +15,7 @@ from decimal import Decimal, localcontext
 from pathlib import Path
 
 import pytest
-from _keys_support import (
-    DIGITS_40,
-    GOLDEN,
-    TASK,
-    golden_keys,
-    key,
-    var_key,
-    var_keyword,
-)
+from _keys_support import DIGITS_40, GOLDEN, TASK, golden_keys, key, var_key, var_keyword
 
 pytestmark = pytest.mark.timeout(60)
 
