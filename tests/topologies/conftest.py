@@ -1,11 +1,13 @@
 """The topologies' shared fixtures: quorum mode's five ``masters`` (one set per module) and a
-``quorum`` server on them, every member resumed first (tests/topologies/test_quorum*.py)."""
+``quorum`` server on them, every member resumed first (tests/topologies/test_quorum*.py); and a
+``sentinel`` deployment, 1 master, 1 replica, 3 Sentinels (one per module: test_sentinel*.py)."""
 
 from __future__ import annotations
 
 from contextlib import ExitStack
 
 import pytest
+from _deployments import SentinelDeployment
 
 from celery_singleton_lock.testing.servers import RedisServer
 from celery_singleton_lock.topologies.quorum import QuorumLockServer
@@ -35,3 +37,8 @@ def quorum(masters):
     yield q
     q.close()
 
+
+@pytest.fixture(scope="module")
+def sentinel():
+    with SentinelDeployment(replicas=1, sentinels=3) as deployment:
+        yield deployment
