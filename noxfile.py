@@ -59,9 +59,9 @@ CORE = [
     # the lock: exclusion, ownership, fencing, what a release leaves, one command per operation
     "tests/engine/test_lock.py::test_acquire_holds_and_tells_who_holds",
     "tests/engine/test_lock.py::test_release_is_idempotent_and_never_frees_a_later_holder",
-    "tests/engine/test_lock.py::test_fencing_tokens_increase_across_holders",
-    "tests/engine/test_lock.py::test_a_release_leaves_nothing_behind_unless_asked_to_remember",
-    "tests/engine/test_lock.py::test_one_command_per_operation",
+    "tests/engine/test_lock_fencing.py::test_fencing_tokens_increase_across_holders",
+    "tests/engine/test_lock_fencing.py::test_a_release_leaves_nothing_behind_unless_asked_to_remember",
+    "tests/engine/test_lock_round_trips.py::test_one_command_per_operation",
     # a LockedTask on a real worker; a duplicate skipped; a duplicate handed the key
     "tests/task/test_smoke_task.py",
     "tests/task/test_task_duplicates.py::test_prefork_skip_and_raise",

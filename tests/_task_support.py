@@ -18,6 +18,7 @@ import contextlib
 import gc
 import importlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -283,3 +284,31 @@ def rabbit_up() -> bool:
             return True
     except OSError:
         return False
+
+
+def within(seconds: float, fn, *args, **kwargs):
+    """Run ``fn`` in a daemon thread; its value, or AssertionError if it is not done in ``seconds``.
+
+    A hang (an eager self-deadlock) must fail the test, not hang the suite.
+    """
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the test's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise AssertionError(f"{getattr(fn, '__name__', fn)} did not finish within {seconds}s (deadlock?)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"], time.monotonic() - started
+
+
+def messages(caplog, level: int = logging.WARNING) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= level]

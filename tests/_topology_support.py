@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from _line_support import events
@@ -57,15 +58,9 @@ def each_body_once(wa, k: str) -> tuple[list[dict], dict[str, dict]]:
     return starts, ends
 
 
-def check_contract(app) -> None:
-    runs, gates = Runs(), Gates()
-    lost: list[tuple[str, str]] = []
-    lost_seen = threading.Event()
-
-    def on_lost(sender=None, key=None, task_id=None, reason=None, **_):
-        if getattr(sender, "app", None) is app:
-            lost.append((key, reason))
-            lost_seen.set()
+def _contract_tasks(app, runs: Runs, gates: Gates) -> SimpleNamespace:
+    """The contract's tasks on ``app``: skip, raise_ and retry (gated bodies), long (sleeps past its
+    TTL) and lose (waits until its loss is noticed)."""
 
     def make(name, policy, **opts):
         @locked(app, lock_key=["k"], on_duplicate=policy, name=f"topo.{name}", **opts)
@@ -87,76 +82,104 @@ def check_contract(app) -> None:
         wait_until(lambda: self.lock.lost, TIMEOUT, 0.02, "the loss to be noticed")
         return self.lock.lost_reason
 
+    return SimpleNamespace(skip=skip, raise_=raise_, retry=retry, long=long, lose=lose)
+
+
+def _check_skip_and_raise(tasks: SimpleNamespace, server, runs: Runs, gates: Gates) -> None:
+    skip, raise_ = tasks.skip, tasks.raise_
+    # skip: the duplicate is REVOKED at once, its body never runs
+    k = f"skip-{uuid.uuid4().hex[:6]}"
+    holder = skip.delay(k, "holder")
+    runs.wait_started(k)
+    dup = skip.delay(k, "dup")
+    with pytest.raises(TaskRevokedError):
+        dup.get(timeout=TIMEOUT)
+    assert server.holder(skip.lock_key_for((k, "x"))) is not None, "the holder holds the key"
+    gates.open(k)
+    assert holder.get(timeout=TIMEOUT) == "holder"
+    assert [r.info["tag"] for r in runs.of(k)] == ["holder"], "the duplicate never ran"
+
+    # raise: FAILURE with DuplicateTask
+    k = f"raise-{uuid.uuid4().hex[:6]}"
+    holder = raise_.delay(k, "holder")
+    runs.wait_started(k)
+    with pytest.raises(DuplicateTask):
+        raise_.delay(k, "dup").get(timeout=TIMEOUT)
+    gates.open(k)
+    assert holder.get(timeout=TIMEOUT) == "holder"
+
+
+def _check_retry(retry, server, runs: Runs, gates: Gates) -> None:
+    # retry: the duplicate waits in the key's line and runs after the holder, never beside it
+    k = f"retry-{uuid.uuid4().hex[:6]}"
+    holder = retry.delay(k, "holder")
+    runs.wait_started(k)
+    dups = [retry.delay(k, f"dup{i}") for i in range(2)]
+    wait_until(lambda: all(d.state == "WAITING" for d in dups), TIMEOUT, 0.05, "the duplicates to park")
+    assert len(runs.of(k)) == 1
+    gates.open(k)
+    assert holder.get(timeout=TIMEOUT) == "holder"
+    assert sorted(d.get(timeout=TIMEOUT) for d in dups) == ["dup0", "dup1"]
+    assert len(runs.of(k)) == 3
+    assert_no_overlap([(r.start, r.end) for r in runs.of(k)], f"runs of {k}")
+    key = retry.lock_key_for((k, "x"))
+    wait_until(lambda: server.holder(key) is None, TIMEOUT, 0.05, "the last waiter to release")
+
+
+def _check_exit_paths_and_renewal(tasks: SimpleNamespace, server, lost: list) -> None:
+    skip, long = tasks.skip, tasks.long
+    # exit paths: an exception releases, a success releases
+    k = f"boom-{uuid.uuid4().hex[:6]}"
+    with pytest.raises(RuntimeError):
+        skip.delay(k, "boom").get(timeout=TIMEOUT)
+    assert server.holder(skip.lock_key_for((k, "x"))) is None, "released on the exception"
+    assert skip.delay(k, "again").get(timeout=TIMEOUT) == "again", "and free for the next call"
+    assert server.holder(skip.lock_key_for((k, "x"))) is None, "released on success"
+
+    # renewal past the TTL: 5 s under a 2 s TTL, never lost, and the key is exclusive meanwhile
+    k = f"long-{uuid.uuid4().hex[:6]}"
+    first = long.delay(k, 5.0)  # ends well after the duplicate below, even on a slow machine
+    key = long.lock_key_for((k, 0))
+    wait_until(lambda: server.holder(key) is not None, TIMEOUT, 0.02, "the long task to hold its key")
+    time.sleep(2.5)  # past the TTL: only renewals keep it
+    with pytest.raises(TaskRevokedError):
+        long.delay(k, 0).get(timeout=TIMEOUT)
+    assert first.get(timeout=TIMEOUT) is False, "renewed past its TTL, never lost"
+    assert not lost
+
+
+def _check_loss(lose, server, gates: Gates, lost: list, lost_seen: threading.Event) -> None:
+    # lost-lock detection: the key is deleted under the holder; the watchdog finds out
+    k = f"lose-{uuid.uuid4().hex[:6]}"
+    res = lose.delay(k)
+    gates.wait(f"{k}:holding")
+    key = lose.lock_key_for((k,))
+    assert server.client.delete(key) == 1
+    reason = res.get(timeout=TIMEOUT)
+    assert "no longer the owner" in reason
+    assert lost_seen.wait(TIMEOUT) and lost[0][0] == key
+
+
+def check_contract(app) -> None:
+    runs, gates = Runs(), Gates()
+    lost: list[tuple[str, str]] = []
+    lost_seen = threading.Event()
+
+    def on_lost(sender=None, key=None, task_id=None, reason=None, **_):
+        if getattr(sender, "app", None) is app:
+            lost.append((key, reason))
+            lost_seen.set()
+
+    tasks = _contract_tasks(app, runs, gates)
     lock_lost.connect(on_lost, weak=False)
     try:
         with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, loglevel="WARNING",
                           shutdown_timeout=30):
-            server = skip.lock_server()
-
-            # skip: the duplicate is REVOKED at once, its body never runs
-            k = f"skip-{uuid.uuid4().hex[:6]}"
-            holder = skip.delay(k, "holder")
-            runs.wait_started(k)
-            dup = skip.delay(k, "dup")
-            with pytest.raises(TaskRevokedError):
-                dup.get(timeout=TIMEOUT)
-            assert server.holder(skip.lock_key_for((k, "x"))) is not None, "the holder holds the key"
-            gates.open(k)
-            assert holder.get(timeout=TIMEOUT) == "holder"
-            assert [r.info["tag"] for r in runs.of(k)] == ["holder"], "the duplicate never ran"
-
-            # raise: FAILURE with DuplicateTask
-            k = f"raise-{uuid.uuid4().hex[:6]}"
-            holder = raise_.delay(k, "holder")
-            runs.wait_started(k)
-            with pytest.raises(DuplicateTask):
-                raise_.delay(k, "dup").get(timeout=TIMEOUT)
-            gates.open(k)
-            assert holder.get(timeout=TIMEOUT) == "holder"
-
-            # retry: the duplicate waits in the key's line and runs after the holder, never beside it
-            k = f"retry-{uuid.uuid4().hex[:6]}"
-            holder = retry.delay(k, "holder")
-            runs.wait_started(k)
-            dups = [retry.delay(k, f"dup{i}") for i in range(2)]
-            wait_until(lambda: all(d.state == "WAITING" for d in dups), TIMEOUT, 0.05, "the duplicates to park")
-            assert len(runs.of(k)) == 1
-            gates.open(k)
-            assert holder.get(timeout=TIMEOUT) == "holder"
-            assert sorted(d.get(timeout=TIMEOUT) for d in dups) == ["dup0", "dup1"]
-            assert len(runs.of(k)) == 3
-            assert_no_overlap([(r.start, r.end) for r in runs.of(k)], f"runs of {k}")
-            key = retry.lock_key_for((k, "x"))
-            wait_until(lambda: server.holder(key) is None, TIMEOUT, 0.05, "the last waiter to release")
-
-            # exit paths: an exception releases, a success releases
-            k = f"boom-{uuid.uuid4().hex[:6]}"
-            with pytest.raises(RuntimeError):
-                skip.delay(k, "boom").get(timeout=TIMEOUT)
-            assert server.holder(skip.lock_key_for((k, "x"))) is None, "released on the exception"
-            assert skip.delay(k, "again").get(timeout=TIMEOUT) == "again", "and free for the next call"
-            assert server.holder(skip.lock_key_for((k, "x"))) is None, "released on success"
-
-            # renewal past the TTL: 5 s under a 2 s TTL, never lost, and the key is exclusive meanwhile
-            k = f"long-{uuid.uuid4().hex[:6]}"
-            first = long.delay(k, 5.0)  # ends well after the duplicate below, even on a slow machine
-            key = long.lock_key_for((k, 0))
-            wait_until(lambda: server.holder(key) is not None, TIMEOUT, 0.02, "the long task to hold its key")
-            time.sleep(2.5)  # past the TTL: only renewals keep it
-            with pytest.raises(TaskRevokedError):
-                long.delay(k, 0).get(timeout=TIMEOUT)
-            assert first.get(timeout=TIMEOUT) is False, "renewed past its TTL, never lost"
-            assert not lost
-
-            # lost-lock detection: the key is deleted under the holder; the watchdog finds out
-            k = f"lose-{uuid.uuid4().hex[:6]}"
-            res = lose.delay(k)
-            gates.wait(f"{k}:holding")
-            key = lose.lock_key_for((k,))
-            assert server.client.delete(key) == 1
-            reason = res.get(timeout=TIMEOUT)
-            assert "no longer the owner" in reason
-            assert lost_seen.wait(TIMEOUT) and lost[0][0] == key
+            server = tasks.skip.lock_server()
+            _check_skip_and_raise(tasks, server, runs, gates)
+            _check_retry(tasks.retry, server, runs, gates)
+            _check_exit_paths_and_renewal(tasks, server, lost)
+            _check_loss(tasks.lose, server, gates, lost, lost_seen)
     finally:
         lock_lost.disconnect(on_lost)
         gates.open_all()

@@ -14,28 +14,14 @@ import time
 import redis
 from celery import Celery
 
+from apps import worker_settings  # the app's settings, from the environment the tests set
 from celery_singleton_lock import LockedTask
 from celery_singleton_lock.delivery.headers import described
 
 BASE = os.environ.get("CSL_REDIS_URL_BASE", "redis://127.0.0.1:6399")
 
 app = Celery("worker_app", broker=f"{BASE}/0", backend=f"{BASE}/1")
-app.conf.update(
-    singleton_lock_url=f"{BASE}/2",
-    singleton_lock_ttl=float(os.environ.get("CSL_LOCK_TTL", "5")),
-    singleton_lock_retry_backoff=0.1,
-    singleton_lock_retry_backoff_max=0.5,
-    worker_prefetch_multiplier=1,
-    task_acks_late=os.environ.get("CSL_ACKS_LATE") == "1",
-    task_reject_on_worker_lost=os.environ.get("CSL_REJECT_ON_LOST") == "1",
-    broker_transport_options={
-        "visibility_timeout": float(os.environ.get("CSL_VISIBILITY", "3600")),
-        # restore unacked messages every second: real redeliveries in tests (see _task_support.redeliver)
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
-    },
-    worker_max_tasks_per_child=int(os.environ.get("CSL_MAX_TASKS_PER_CHILD", "0")) or None,
-)
+worker_settings.base(app, BASE)
 
 journal = redis.Redis.from_url(f"{BASE}/3")
 
@@ -378,21 +364,10 @@ def hold_until_lost(self, key: str, limit: float = 30.0) -> dict:
     self.lock.ensure()
     return {"pid": os.getpid(), "lost": False}
 
-# -- for tests/line/test_line_backlog.py (the line under a backlog, a slow broker, revoke) -----
+# -- for tests/line/test_line_backlog.py and its sibling modules (the line under a backlog, a slow
+# broker, revoke); CSL_BROKER_URL, CSL_EXTRA_CONF, CSL_PREFETCH, ... are read here, as they always were
 
-if os.environ.get("CSL_BROKER_URL"):  # e.g. RabbitMQ
-    app.conf.broker_url = os.environ["CSL_BROKER_URL"]
-if os.environ.get("CSL_BROKER_READ_URL"):  # the consuming side through a delaying proxy
-    app.conf.broker_read_url = os.environ["CSL_BROKER_READ_URL"]
-    app.conf.broker_write_url = app.conf.broker_url
-if os.environ.get("CSL_EXTRA_CONF"):  # JSON: settings a test adds, e.g. a misspelt one
-    import json as _json_conf
-
-    app.conf.update(_json_conf.loads(os.environ["CSL_EXTRA_CONF"]))
-if os.environ.get("CSL_PREFETCH"):  # "4": Celery's default
-    app.conf.worker_prefetch_multiplier = int(os.environ["CSL_PREFETCH"])
-if os.environ.get("CSL_TURN_TIMEOUT"):
-    app.conf.singleton_lock_turn_timeout = float(os.environ["CSL_TURN_TIMEOUT"])
+worker_settings.from_test_env(app)
 
 
 @app.task

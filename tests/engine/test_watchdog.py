@@ -1,4 +1,7 @@
-"""The watchdog against real redis-servers, without Celery: LockServer + Watchdog.
+"""The watchdog against real redis-servers, without Celery: LockServer + Watchdog. Here: the lost
+path (a deleted key, a key taken by another owner, a paused Redis, a refused chunk, a starved
+watchdog) and the renewal schedule; one thread per process and never a renewal after a release are
+in test_watchdog_threads.py.
 
 Timing assertions are correctness deadlines derived from the TTL, with room
 for a loaded 2-core machine; none of them is a speed assertion.
@@ -6,256 +9,29 @@ for a loaded 2-core machine; none of them is a speed assertion.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
-import random
-import select
-import signal
 import threading
 import time
 
 import pytest
+from _watchdog_support import (
+    LOST_LOGGER,
+    SLACK,
+    WD_LOGGER,
+    SlowRedis,
+    owns,
+    renewals,
+    renewed_after,
+)
 
 from celery_singleton_lock.engine import notify
-from celery_singleton_lock.engine.fresh import RELEASE_FRESH
 from celery_singleton_lock.engine.lock import Lock
-from celery_singleton_lock.engine.scripts import RELEASE, RENEW_MANY
 from celery_singleton_lock.engine.server import LockServer
-from celery_singleton_lock.exceptions import LockError, LockLost
-from celery_singleton_lock.testing.servers import Monitor, RedisServer, wait_until
-from celery_singleton_lock.watchdog.process import get_watchdog, shutdown_watchdog
+from celery_singleton_lock.exceptions import LockLost
+from celery_singleton_lock.testing.servers import Monitor, wait_until
 from celery_singleton_lock.watchdog.renewer import Watchdog
-
-RENEW_SHA = hashlib.sha1(RENEW_MANY.encode()).hexdigest()
-RELEASE_SHAS = {hashlib.sha1(script.encode()).hexdigest() for script in (RELEASE, RELEASE_FRESH)}
-SLACK = 1.0  # seconds of scheduling noise we tolerate on a loaded machine (never a speed claim)
-WD_LOGGER = "celery_singleton_lock.watchdog"
-LOST_LOGGER = "celery_singleton_lock"  # the ERROR line of a loss: the handle logs it, wherever it was found
-
-
-@pytest.fixture
-def server(fresh_redis: RedisServer) -> LockServer:
-    return LockServer.from_url(fresh_redis.url(2))
-
-
-@pytest.fixture
-def wd():
-    dog = Watchdog()
-    yield dog
-    dog.shutdown()
-
-
-def renewals(mon: Monitor, key: str | None = None) -> list[tuple[float, list[str]]]:
-    """(server time, keys) of every renewal EVALSHA the monitor saw, optionally only those naming ``key``."""
-    mon.sync()
-    out = []
-    for when, _db, words, _client in list(mon._records):  # the records keep MONITOR's timestamps
-        if len(words) > 3 and words[0].upper() == "EVALSHA" and words[1] == RENEW_SHA:
-            keys = words[3 : 3 + int(words[2])]
-            if key is None or key in keys:
-                out.append((when, keys))
-    return out
-
-
-BUSY_SCRIPT = "local n = 0 for i = 1, tonumber(ARGV[1]) do n = n + i end return 1"
-"""A script that keeps the server busy for ARGV[1] loop turns (TIME cannot time it: Valkey freezes
-TIME within a script), so the turns for a given time are measured against the server first."""
-
-
-class SlowRedis:
-    """Make a server answer late: a busy script of ``busy`` seconds every ``every`` seconds."""
-
-    def __init__(self, server: RedisServer, busy: float = 0.06, every: float = 0.15) -> None:
-        self.client = server.client(2)
-        self.busy, self.every = busy, every
-        turns = 1_000_000
-        started = time.perf_counter()
-        self.client.eval(BUSY_SCRIPT, 0, turns)  # the server's speed, measured first
-        self.turns = max(1, int(turns * busy / max(time.perf_counter() - started, 1e-6)))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            self.client.eval(BUSY_SCRIPT, 0, self.turns)
-
-    def __enter__(self) -> SlowRedis:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.client.close()
-
-
-def owns(redis_client, lock: Lock) -> bool:
-    value = redis_client.get(lock.key)
-    return value is not None and value.decode().startswith(lock.prefix)
-
-
-def renewed_after(lock: Lock, since: float, timeout: float) -> None:
-    wait_until(lambda: lock.confirmed_at > since, timeout, what=f"a renewal of {lock.key}")
-
-
-# -- one thread, one round trip per tick per server ---------------------------------
-
-
-@pytest.mark.timeout(90)
-def test_thousand_locks_one_thread_batched_renewals_all_alive(fresh_redis, server):
-    ttl, chunk, n = 1.5, 300, 1000
-    dog = Watchdog(chunk=chunk)
-    client = fresh_redis.client(2)
-    try:
-        with Monitor(fresh_redis) as mon:
-            before = set(threading.enumerate())
-            count_before = threading.active_count()
-            locks = []
-            for i in range(n):
-                lock = server.acquire(f"wd-many-{i}", ttl, owner_id=f"owner-{i}")
-                assert isinstance(lock, Lock)
-                dog.track(lock)
-                locks.append(lock)
-            tracked_at = time.monotonic()
-            assert len(dog) == n
-            new_threads = set(threading.enumerate()) - before
-            assert new_threads == {dog.thread}, new_threads
-            assert threading.active_count() <= count_before + 1
-
-            mon.clear()
-            batches_before = dog.batches
-            window_start = time.monotonic()
-            # the property under test is "alive after 3 x TTL": let that time pass, checking as we go
-            while time.monotonic() < tracked_at + 3 * ttl:
-                assert not any(lock.lost for lock in locks)
-                assert set(threading.enumerate()) - before == {dog.thread}
-                time.sleep(0.25)
-            seen = renewals(mon)
-            batches = dog.batches - batches_before
-            window = time.monotonic() - window_start
-
-            pipe = client.pipeline(transaction=False)
-            for lock in locks:
-                pipe.get(lock.key)
-            values = pipe.execute()
-            # every lock still held by its own token after 3 x TTL, none reported lost
-            held = [v is not None and v.decode().startswith(lock.prefix) for v, lock in zip(values, locks, strict=True)]
-            assert all(held)
-            assert not any(lock.lost for lock in locks)
-            assert all(time.monotonic() - lock.confirmed_at < ttl for lock in locks)
-
-        # Round trips: each batch is one pipeline of ceil(keys/chunk) EVALSHAs to this one server,
-        # and there is at most one batch per tick (here: one server, no failures).
-        evalshas = len(seen)
-        keys_renewed = sum(len(keys) for _, keys in seen)
-        assert all(len(keys) <= chunk for _, keys in seen)
-        assert batches >= 1 and keys_renewed >= n * 2  # every lock renewed at least twice in the window
-        assert batches <= window / dog.tick + 2, (batches, window)
-        assert batches <= evalshas <= batches + keys_renewed / chunk, (batches, evalshas, keys_renewed)
-        # MONITOR's view: renewal commands come in bursts (one pipeline each, executed back to
-        # back), never more bursts than batches. Batches are a tick apart; a pipeline's commands
-        # a few ms (more where the server was preempted between two of them: a busy CI machine
-        # once split one at a 15 ms threshold), so a gap of half a tick tells two batches apart
-        bursts = 0
-        last = -1.0
-        for when, _keys in seen:
-            if when - last > dog.tick / 2:
-                bursts += 1
-            last = when
-        assert 1 <= bursts <= batches, (bursts, batches)
-        assert evalshas < keys_renewed / 50  # nowhere near one command per lock
-        for lock in locks:
-            dog.forget(lock)
-        assert len(dog) == 0
-    finally:
-        dog.shutdown()
-    assert not dog.alive
-
-
-@pytest.mark.timeout(60)
-def test_one_watchdog_per_process_and_a_forked_child_starts_its_own(fresh_redis, server):
-    shutdown_watchdog()
-    parent_dog = get_watchdog()
-    assert get_watchdog() is parent_dog and parent_dog.pid == os.getpid()
-    lock = server.acquire("wd-fork-parent", 1.5)
-    parent_dog.track(lock)
-    try:
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report, then leave without running the parent's cleanup
-            code = 1
-            try:
-                child_dog = get_watchdog()
-                child_server = LockServer.from_url(fresh_redis.url(2))
-                child_lock = child_server.acquire("wd-fork-child", 0.9)
-                child_dog.track(child_lock)
-                first = child_lock.confirmed_at
-                wait_until(lambda: child_lock.confirmed_at > first, 5)
-                fine = (
-                    child_dog is not parent_dog
-                    and child_dog.pid == os.getpid()
-                    and len(child_dog) == 1  # the parent's lock is not the child's to renew
-                    and not child_lock.lost
-                )
-                child_dog.forget(child_lock)
-                child_server.release(child_lock)
-                child_dog.shutdown()
-                os.write(write_fd, b"ok" if fine else b"bad")
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write_fd)
-        ready, _, _ = select.select([read_fd], [], [], 20)
-        answer = os.read(read_fd, 16) if ready else b""
-        os.close(read_fd)
-        if not answer:
-            os.kill(pid, signal.SIGKILL)  # our own child, by PID
-        _, status = os.waitpid(pid, 0)
-        assert answer == b"ok" and os.waitstatus_to_exitcode(status) == 0
-        assert get_watchdog() is parent_dog and parent_dog.alive and lock in parent_dog
-    finally:
-        parent_dog.forget(lock)
-        server.release(lock)
-        shutdown_watchdog()
-    assert not parent_dog.alive
-    assert get_watchdog() is not parent_dog  # a new one after a shutdown
-    shutdown_watchdog()
-
-
-@pytest.mark.timeout(30)
-def test_shutdown_joins_the_thread_and_refuses_new_locks(server, caplog):
-    dog = Watchdog()
-    lock = server.acquire("wd-shutdown", 1.5)
-    dog.track(lock)
-    thread = dog.thread
-    assert thread is not None and thread.is_alive()
-    with caplog.at_level(logging.INFO, logger=WD_LOGGER):
-        dog.shutdown()
-    assert not thread.is_alive()
-    assert any("still held" in r.getMessage() for r in caplog.records)  # says what it leaves behind
-    assert any("stopped" in r.getMessage() for r in caplog.records)
-    other = server.acquire("wd-shutdown-2", 1.5)
-    with pytest.raises(LockError):
-        dog.track(other)
-    dog.forget(lock)  # harmless after the shutdown
-    server.release(lock)
-    server.release(other)
-    with pytest.raises(ValueError, match="already released"):
-        Watchdog().track(other)
-
-
-@pytest.mark.timeout(10)
-@pytest.mark.parametrize(
-    "options, bad",
-    [({"tick": 0}, "0"), ({"tick": "0.1"}, "'0.1'"), ({"chunk": 0}, "0"), ({"socket_timeout": -1}, "-1")],
-)
-def test_bad_options_raise_naming_the_value(options, bad):
-    with pytest.raises(ValueError) as info:
-        Watchdog(**options)
-    assert bad in str(info.value) and next(iter(options)) in str(info.value)
-
 
 # -- the lost path -------------------------------------------------------------------
 
@@ -401,69 +177,6 @@ def test_a_refused_chunk_does_not_take_the_others_down(fresh_redis, server, capl
                 server.release(lock)
     finally:
         dog.shutdown()
-
-
-# -- never a renewal after a release -------------------------------------------------------
-
-
-@pytest.mark.timeout(60)
-def test_no_renewal_ever_follows_a_release(fresh_redis, server, wd):
-    ttl = 1.2
-    locks = [server.acquire(f"wd-release-{i}", ttl) for i in range(200)]
-    keep = server.acquire("wd-release-keep", ttl)
-    for lock in locks:
-        wd.track(lock)
-    wd.track(keep)
-    forgotten_at: dict[Lock, float] = {}
-    with Monitor(fresh_redis) as mon, SlowRedis(fresh_redis, busy=0.04, every=0.1):
-        # (replies come late, so rounds stay in flight long: a forget() that did not wait would show)
-        renewed_after(locks[-1], locks[-1].confirmed_at, ttl)
-        rng = random.Random(4)
-        order = locks[:]
-        rng.shuffle(order)
-        errors: list[BaseException] = []
-
-        def let_go(part: list[Lock]) -> None:
-            try:
-                for lock in part:
-                    wd.forget(lock)  # synchronous: waits out a round that holds it
-                    forgotten_at[lock] = lock.confirmed_at
-                    assert server.release(lock)  # still ours: it was renewed until now
-                    time.sleep(rng.uniform(0, 0.02))  # spread the releases over many ticks
-            except BaseException as exc:
-                errors.append(exc)
-
-        workers = [threading.Thread(target=let_go, args=(order[i::2],)) for i in range(2)]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join(30)
-        assert not errors, errors
-        # a few more TTLs, in which the kept lock is renewed and the released ones never
-        for _ in range(3):
-            renewed_after(keep, keep.confirmed_at, ttl)
-        time.sleep(ttl)
-        mon.sync()
-        records = [words for _, _, words, _ in list(mon._records)]
-    released_at: dict[str, int] = {}
-    renewed_at: dict[str, list[int]] = {}
-    for i, words in enumerate(records):
-        if len(words) > 3 and words[0].upper() == "EVALSHA":
-            keys = words[3 : 3 + int(words[2])]
-            if words[1] in RELEASE_SHAS:  # (a fresh lock's release is the short RELEASE_FRESH)
-                released_at[keys[0]] = i
-            elif words[1] == RENEW_SHA:
-                for key in keys:
-                    renewed_at.setdefault(key, []).append(i)
-    assert set(released_at) == {lock.key for lock in locks}
-    assert len(renewed_at.get(keep.key, [])) >= 3
-    late = {key: idx for key, idx in released_at.items() if any(r > idx for r in renewed_at.get(key, []))}
-    assert not late, f"renewed after release: {late}"
-    # and no renewal reply came back after forget() returned: nothing was in flight any more
-    assert all(lock.confirmed_at == forgotten_at[lock] for lock in locks)
-    assert all(lock.key in renewed_at for lock in locks)  # the monitor did see their renewals before
-    wd.forget(keep)
-    server.release(keep)
 
 
 # -- the schedule --------------------------------------------------------------------------

@@ -145,6 +145,21 @@ def assert_each_tick_once(record: list[tuple[int, int, float, str]]) -> None:
 # -- the takeover, with real processes -------------------------------------------------------------
 
 
+def _each_send_ran_once_on_the_worker(fresh_redis, record, killed_at: float, stopped_at: float) -> None:
+    """Every send in ``record`` ran exactly once on the worker; but a send recorded just before the
+    SIGKILL or the stop may never have been published (before_task_publish records it, then the
+    process died)."""
+    send_ids = [task_id for _, _, t, task_id in record
+                if not (killed_at - 0.5 < t < killed_at or stopped_at - 0.5 < t)]
+    journal = fresh_redis.client(3)
+
+    def run_ids():
+        return [raw.decode().split()[0] for raw in journal.lrange("runs", 0, -1)]
+
+    wait_until(lambda: set(send_ids) <= set(run_ids()), 20, 0.1, "every send to run on the worker")
+    assert all(n == 1 for n in Counter(run_ids()).values())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_two_beats_one_sends_and_the_standby_takes_over_after_sigkill(fresh_redis, processes):
@@ -198,17 +213,7 @@ def test_two_beats_one_sends_and_the_standby_takes_over_after_sigkill(fresh_redi
           f"tick {takeover:.2f}s after the kill "
           f"(lock ttl {TTL:g}s, poll {POLL:g}s); {len(missed)} tick(s) missed: {missed}")
 
-    # every send ran exactly once on the worker; but a send recorded just before the SIGKILL or the
-    # stop may never have been published (before_task_publish records it, then the process died)
-    send_ids = [task_id for _, _, t, task_id in record
-                if not (killed_at - 0.5 < t < killed_at or stopped_at - 0.5 < t)]
-    journal = fresh_redis.client(3)
-
-    def run_ids():
-        return [raw.decode().split()[0] for raw in journal.lrange("runs", 0, -1)]
-
-    wait_until(lambda: set(send_ids) <= set(run_ids()), 20, 0.1, "every send to run on the worker")
-    assert all(n == 1 for n in Counter(run_ids()).values())
+    _each_send_ran_once_on_the_worker(fresh_redis, record, killed_at, stopped_at)
 
 
 @pytest.mark.slow

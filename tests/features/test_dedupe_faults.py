@@ -1,11 +1,10 @@
-"""Coalesce and lock_publish under faults, through the real prefork workers of test_dedupe.py's
-module fixture: no merged or joined call is left WAITING or PENDING for ever, none fires its link
-twice, and no publish joins a call that does not exist or has ended.
+"""Coalesce and lock_publish under faults, through the real prefork workers of the dedupe tests'
+module fixture (``env``, features/conftest.py): no merged or joined call is left WAITING or PENDING
+for ever, none fires its link twice, and no publish joins a call that does not exist or has ended.
 
 The faults: a plain ``held()`` block on the key, a merged message delivered twice, a merged call
 revoked, the lock Redis losing its data, the waiter's run killed, merged records outlived by a long
 run or by a late turn, a retried waiter revoked, and a reply lost at publish."""
-# ruff: noqa: F811  (env: the imported module fixture, named by each test)
 
 from __future__ import annotations
 
@@ -15,8 +14,9 @@ import time
 import uuid
 
 import pytest
+from _clusters import runs, started, state_of
+from _dedupe_support import TIMEOUT, worker_child_of
 from _fault_proxy import FaultProxy
-from test_dedupe import TIMEOUT, env, runs, started, state_of, worker_child_of  # noqa: F401  (env: the module fixture)
 
 from celery_singleton_lock import held
 from celery_singleton_lock.testing.servers import wait_until

@@ -1,12 +1,15 @@
 """The line's fixtures. The fault tests share one worker cluster per module (``env``):
 tests/apps/slot_faults_app.py on two prefork nodes, the lock Redis behind the fault proxy
-(tests/_clusters.py). The tests of apps/worker_app.py's nodes start theirs on ``lock_nodes``."""
+(tests/_clusters.py). The tests of apps/worker_app.py's nodes start theirs on ``lock_nodes``; the
+line-under-load tests (test_line_backlog.py, test_line_waiters.py, test_line_turns.py) theirs on
+``redis_nodes`` (one pair per module) or ``amqp_nodes`` (tests/line/_backlog_support.py)."""
 
 import pytest
 from _backends import BACKENDS, backend_of, lock_store
+from _backlog_support import start_nodes
 from _clusters import worker_cluster
 from _line_support import Nodes
-from _task_support import load_worker_app
+from _task_support import load_worker_app, rabbit_up
 
 from celery_singleton_lock import LockServer
 from celery_singleton_lock.topologies.etcd import EtcdLockServer
@@ -42,3 +45,17 @@ def plain_server(redis_server):
     server = LockServer.from_url(redis_server.url(2))
     yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def redis_nodes(redis_server, tmp_path_factory):
+    with start_nodes(redis_server, tmp_path_factory, "redis") as n:
+        yield n
+
+
+@pytest.fixture
+def amqp_nodes(redis_server, tmp_path_factory):
+    if not rabbit_up():
+        pytest.skip("RabbitMQ: nothing accepts connections on 127.0.0.1:5672")
+    with start_nodes(redis_server, tmp_path_factory, "amqp") as n:
+        yield n

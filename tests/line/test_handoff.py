@@ -8,46 +8,33 @@ Against real redis-servers and real ``celery worker`` subprocesses (prefork):
 3. Every SIGKILL point loses no waiter and runs none twice: the holder mid-body, a waiter right
    after it parked, the releaser between the release script and the publish (hooks: the
    CSL_TEST_KILL_AT environment variable, see tests/apps/kill_points.py).
-4. A restart of the lock Redis (its data gone) with waiters parked: each runs once, soon.
 5. A line that does not move: LockWaitTimeout (FAILURE) and the errback fires.
-6. Plain ``held(..., wait=...)``: FIFO, woken by the release, a timed-out waiter leaves the line,
-   a SIGKILLed holder lets the waiters in within its TTL.
 
-The hand-off latencies (release to the next body's start) are printed, not asserted: they are
-benchmark material.
+4. (a restart of the lock Redis) is in test_handoff_restart.py, 6. (plain ``held(..., wait=...)``)
+in test_handoff_plain.py. The hand-off latencies (release to the next body's start) are printed,
+not asserted: they are benchmark material.
 """
 
 from __future__ import annotations
 
-import gc
 import json
-import math
 import os
 import signal
-import statistics
-import subprocess
-import sys
-import threading
 import time
 import uuid
 
 import pytest
+from _handoff_support import FEW, LOCK_TTL, SWEEP_LATE, WORKER_ENV, intervals, note, report
 from _line_support import events, open_gate, parks, publishes, starts, wait_starts, worker_nodes
-from _task_support import ROOT, TIMEOUT, assert_no_overlap, load_worker_app, start_worker_process
+from _task_support import TIMEOUT, assert_no_overlap
 from celery import chain, chord
 from celery.exceptions import WorkerLostError
 
-from celery_singleton_lock import LockContended, LockServer, LockWaitTimeout, held
-from celery_singleton_lock.engine.line import LONGEST_BLOCK, SWEEP_INTERVAL, SWEEP_LEASE
-from celery_singleton_lock.engine.lock import slot_safe
+from celery_singleton_lock import LockWaitTimeout
+from celery_singleton_lock.engine.line import SWEEP_LEASE
 from celery_singleton_lock.testing.servers import wait_until
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.usefixtures("collect_results")]
-
-LOCK_TTL = 3.0  # the workers' singleton_lock_ttl here (CSL_LOCK_TTL)
-SWEEP_LATE = SWEEP_INTERVAL * 1.25  # the sweeper's longest pause between two looks (jittered +-25%)
-FEW = 5.0  # "a few seconds": slack for a loaded two-core machine on top of every bound below
-WORKER_ENV = {"CSL_LOCK_TTL": str(LOCK_TTL), "CSL_JOURNAL_HANDOFF": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -77,18 +64,6 @@ def wait_ends(wa, k: str, count: int, timeout: float = TIMEOUT) -> list[dict]:
     return wait_until(ends, timeout, 0.02, f"{count} end(s) of {k}")
 
 
-def intervals(wa, k: str, without: str | None = None) -> dict[str, tuple[float, float]]:
-    """task id -> (start, end) of its body's last run, for every id but ``without`` (a holder that was
-    killed mid-body). A body with no journaled start or end fails here: it cannot be checked for overlap."""
-    out: dict[str, list[float | None]] = {}
-    for e in events(wa, k):
-        if e["id"] != without:
-            out.setdefault(e["id"], [None, None])[0 if e["event"] == "start" else 1] = e["at"]
-    missing = [i for i, (s, e) in out.items() if s is None or e is None]
-    assert not missing, f"bodies of {k} without a journaled start or end: {missing}"
-    return {i: (s, e) for i, (s, e) in out.items()}  # type: ignore[misc]
-
-
 def park_one_by_one(n, task, k: str, key: str, args_of, count: int, queue: str | None = None) -> list:
     """Send ``count`` duplicates, each after the previous one is visibly in line: the order in which
     they found the key held is then the order they were sent."""
@@ -99,27 +74,6 @@ def park_one_by_one(n, task, k: str, key: str, args_of, count: int, queue: str |
         have = base + len(sent)
         wait_until(lambda have=have: n.line_len(key) >= have, TIMEOUT, 0.005, f"waiter {i} of {k} to park")
     return sent
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
-
-
-def report(capsys, what: str, samples: list[float]) -> None:
-    with capsys.disabled():
-        print(
-            f"\n[hand-off latency] {what}: n={len(samples)} p50={percentile(samples, 50) * 1000:.1f} ms "
-            f"p99={percentile(samples, 99) * 1000:.1f} ms max={max(samples) * 1000:.1f} ms "
-            f"mean={statistics.mean(samples) * 1000:.1f} ms"
-        )
-
-
-def note(capsys, text: str) -> None:
-    """A measurement for the record (printed even under -q; never asserted beyond its bound)."""
-    with capsys.disabled():
-        print(f"\n[handoff] {text}")
 
 
 # -- 1. FIFO across two nodes ------------------------------------------------------------------------
@@ -340,64 +294,6 @@ def test_releaser_killed_between_hand_off_and_publish_the_sweeper_sends_it(nodes
                  f"{ran[1]['at'] - released_by:.2f} s (reservation {LOCK_TTL:g} s)")
 
 
-# -- 4. the lock Redis restarts, its data gone ------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_lock_redis_restart_with_waiters_parked_each_runs_once(redis_server, fresh_redis, tmp_path, capsys):
-    """The locks on a Redis of their own; waiters parked behind a long holder; that Redis restarts
-    empty: the sweepers of the processes that parked send their waiters again, and each runs once."""
-    wa = load_worker_app(redis_server)
-    queue = f"csl-ho-restart-{uuid.uuid4().hex[:8]}"
-    locks = fresh_redis.client(0)
-    w = start_worker_process(
-        redis_server, tmp_path, concurrency=2, env={**WORKER_ENV, "CSL_LOCK_URL": fresh_redis.url(0)},
-        extra=("-Q", queue), name="restart",
-    )
-    k = f"restart-{uuid.uuid4().hex[:8]}"
-    key = wa.in_line.lock_key_for((k,), {})
-    try:
-        w.wait_ready(90)
-        holder = wa.in_line.apply_async((k, 0.0, "holder", True), queue=queue)
-        wait_starts(wa, k, 1)
-        assert locks.exists(key)
-        waiters = []
-        for i in range(3):
-            waiters.append(wa.in_line.apply_async((k, 0.05, f"w{i}"), queue=queue))
-            wait_until(lambda: locks.llen(key + ":q") == len(waiters), TIMEOUT, 0.01, f"waiter {i} to park")
-        fresh_redis.restart()  # same port, no data: the lock, the line and the parked messages are gone
-        restarted_at = time.time()
-        assert not locks.exists(key, key + ":q", key + ":w")
-        assert sorted(x.get(timeout=TIMEOUT)["tag"] for x in waiters) == ["w0", "w1", "w2"]
-        ran = starts(wa, k)
-        ids = [x.id for x in waiters]
-        assert sorted(e["id"] for e in ran[1:]) == sorted(ids) and ran[0]["id"] == holder.id, "each ran once"
-        # the sweeper notices the new epoch on its next look, and sends what its process parked
-        assert ran[1]["at"] - restarted_at <= SWEEP_LATE + FEW
-        spans = intervals(wa, k, without=holder.id)  # the holder is still in its body (gated)
-        assert_no_overlap([spans[i] for i in ids], "the waiters after the restart")
-        for x in waiters:
-            recovered = [p for p in publishes(wa, x.id) if p.get("singleton_lock_recovered")]
-            assert len(recovered) == 1, f"{x.id} sent again once after the restart, got {publishes(wa, x.id)}"
-        assert "lost its data" in w.log()
-        note(capsys, f"lock Redis restart -> first waiter's start {ran[1]['at'] - restarted_at:.2f} s, "
-                     f"-> last {max(s for s, _ in (spans[i] for i in ids)) - restarted_at:.2f} s")
-        # the holder learns of its loss on its watchdog's next renewal (every TTL/3), which may come
-        # after the waiters already ran: wait for the lock_lost signal before letting its body end
-        wait_until(lambda: wa.journal.llen(f"lost_signal:{holder.id}") >= 1, LOCK_TTL + FEW, 0.05,
-                   "the holder's lock_lost signal")
-    finally:
-        open_gate(wa, k)
-    try:
-        result = holder.get(timeout=TIMEOUT)
-        assert result["lost"] is True  # the holder's lock went with the data, and it was told
-        assert len(starts(wa, k)) == 4  # nobody ran twice, even after the holder's release
-    finally:
-        w.stop()
-        gc.collect()
-
-
 # -- 5. a line that does not move --------------------------------------------------------------------
 
 
@@ -435,123 +331,3 @@ def test_line_that_does_not_move_fails_with_lock_wait_timeout_and_errback(nodes,
     assert len(expired) == 1 and len(publishes(wa, dup.id)) == 1
     n.nothing_left(key)
     note(capsys, f"lock_max_wait 2 s: WAITING seen -> FAILURE seen {failed_at - parked_at:.2f} s")
-
-
-# -- 6. plain code: held(server, name, ttl, wait=...) -------------------------------------------------
-
-
-def start_waiters(server: LockServer, name: str, count: int, *, wait: float, hold: float, out: list):
-    """``count`` threads waiting on ``name``, started one at a time (each once the previous one is in
-    line); each appends (tag, entered, leaving, fencing token) to ``out`` or (tag, the exception)."""
-    key = slot_safe(name)
-    client = server.client
-    threads = []
-    for i in range(count):
-        tag = f"w{i}"
-
-        def body(tag=tag):
-            try:
-                with held(server, name, ttl=30, wait=wait) as lock:
-                    entered = time.monotonic()
-                    time.sleep(hold)
-                    out.append((tag, entered, time.monotonic(), lock.fencing_token))
-            except Exception as exc:
-                out.append((tag, exc))
-
-        t = threading.Thread(target=body, daemon=True, name=f"waiter-{tag}")
-        t.start()
-        threads.append(t)
-        wait_until(lambda: client.llen(key + ":q") >= len(threads), TIMEOUT, 0.002, f"{tag} to be in line")
-    return threads
-
-
-@pytest.mark.timeout(60)
-def test_plain_waiters_go_in_fifo_order_woken_by_the_release(plain_server, capsys):
-    """Threads waiting on one key get it in the order they started waiting, each woken by the release
-    that hands it the key: much sooner than the holder's 30 s TTL, and than LONGEST_BLOCK (the
-    longest a waiter sleeps between two looks of its own)."""
-    name = f"plain-fifo-{uuid.uuid4().hex[:8]}"
-    key = slot_safe(name)
-    out: list = []
-    with held(plain_server, name, ttl=30) as first:
-        first_fence = first.fencing_token  # (read while held: a fresh lock's token is drawn on first read)
-        threads = start_waiters(plain_server, name, 20, wait=30, hold=0.01, out=out)
-        released_at = time.monotonic()
-    for t in threads:
-        t.join(TIMEOUT)
-    assert all(len(x) == 4 for x in out), out
-    assert [x[0] for x in out] == [f"w{i}" for i in range(20)]  # first come, first served
-    fences = [first_fence, *(x[3] for x in out)]
-    assert fences == sorted(fences) and len(set(fences)) == len(fences)
-    gaps = [out[0][1] - released_at] + [nxt[1] - prev[2] for prev, nxt in zip(out, out[1:], strict=False)]
-    assert max(gaps) < LONGEST_BLOCK / 2, f"a waiter was not woken by the release: gaps {gaps}"
-    assert not plain_server.client.exists(key, key + ":q", key + ":w")
-    assert not list(plain_server.client.scan_iter(match=key + ":wake:*"))
-    report(capsys, "plain held() threads, one process", gaps)
-
-
-@pytest.mark.timeout(60)
-def test_plain_waiter_whose_wait_runs_out_raises_and_leaves_the_line(plain_server):
-    name = f"plain-timeout-{uuid.uuid4().hex[:8]}"
-    key = slot_safe(name)
-    client = plain_server.client
-    out: list = []
-    with held(plain_server, name, ttl=30):
-        [patient] = start_waiters(plain_server, name, 1, wait=30, hold=0.0, out=out)
-        started = time.monotonic()
-        with pytest.raises(LockContended) as info:
-            with held(plain_server, name, ttl=30, wait=0.5):
-                pytest.fail("the body ran while the key was held")
-        assert time.monotonic() - started >= 0.5
-        assert info.value.key == key
-        # it left the line: only the patient waiter is still in it, and no wake-up list is left
-        assert client.llen(key + ":q") == 1 and client.hlen(key + ":w") == 1
-        assert not list(client.scan_iter(match=key + ":wake:*"))
-    patient.join(TIMEOUT)
-    assert [x[0] for x in out] == ["w0"] and len(out[0]) == 4  # the patient one got it after the release
-    assert not client.exists(key, key + ":q", key + ":w")
-
-
-PLAIN_HOLDER = """
-import sys, time
-from celery_singleton_lock import LockServer, held
-with held(LockServer.from_url(sys.argv[1]), sys.argv[2], ttl=float(sys.argv[3])):
-    print("held", flush=True)
-    time.sleep(120)
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(60)
-def test_plain_holder_killed_lets_the_waiters_in_within_its_ttl(plain_server, redis_server, capsys):
-    """A process SIGKILLed while it holds the key through held(): nobody releases, so the waiters
-    look again when its lock would expire, and go in, in order, within its TTL (plus a little)."""
-    name = f"plain-dead-{uuid.uuid4().hex[:8]}"
-    key = slot_safe(name)
-    client = plain_server.client
-    ttl = 3.0
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-c", PLAIN_HOLDER, redis_server.url(2), name, str(ttl)],
-                            stdout=subprocess.PIPE, env=env, text=True)
-    out: list = []
-    try:
-        assert proc.stdout.readline().strip() == "held"
-        threads = start_waiters(plain_server, name, 3, wait=30, hold=0.05, out=out)
-        time.sleep(ttl / 2)  # let the holder's watchdog renew at least once: it must not matter
-        os.kill(proc.pid, signal.SIGKILL)  # our own subprocess, by PID
-        proc.wait(10)
-        killed_at = time.monotonic()  # also before the PTTL: a stall after its reply must not move the expiry later
-        pttl = client.pttl(key)
-        assert 0 < pttl <= ttl * 1000
-        expires_at = killed_at + pttl / 1000
-        for t in threads:
-            t.join(TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert [x[0] for x in out] == ["w0", "w1", "w2"] and all(len(x) == 4 for x in out), out
-    assert out[0][1] >= expires_at - 0.25  # not while the dead holder's lock lived
-    assert out[-1][1] - killed_at <= ttl + 2.0  # within its TTL, plus a little
-    assert not client.exists(key, key + ":q", key + ":w")
-    note(capsys, f"plain holder SIGKILLed: its lock expired -> first waiter in {out[0][1] - expires_at:.3f} s")

@@ -1,13 +1,13 @@
-"""The lock URL: where it comes from, how Celery's spellings reach redis-py, what logs show of it,
-and the eviction-policy check.
+"""The lock URL: where it comes from, how Celery's spellings reach redis-py, and what logs show of it.
 
 One section each:
 
 1. no Redis configured is an error, never a silent per-host ``redis://localhost:6379/0``;
 2. a Celery-valid ``rediss://...?ssl_cert_reqs=CERT_REQUIRED`` reaches redis-py as ``required``;
-3. passwords in the query string (and each part of a ``;``-separated Sentinel list) are masked;
-4. a ``maxmemory-policy`` other than ``noeviction`` gets one warning per URL and process;
-5. Sentinel and Cluster URLs: Celery's Sentinel form, ``redis+cluster://``, and their transport options.
+3. passwords in the query string (and each part of a ``;``-separated Sentinel list) are masked.
+
+The eviction-policy check is in test_urls_eviction.py, Sentinel and Cluster URLs in
+test_urls_topologies.py.
 
 Nothing here connects to 127.0.0.1:6379: URLs are compared as strings, turned into clients
 without connecting (``connection_kwargs``, ``make_connection()``), or point at private servers.
@@ -15,43 +15,25 @@ without connecting (``connection_kwargs``, ``make_connection()``), or point at p
 
 from __future__ import annotations
 
-import logging
 import ssl
-import threading
-import uuid
 
 import pytest
 import redis
-from celery import Celery
+from _urls_support import (
+    SECRET,
+    _no_celery_env,  # noqa: F401 (autouse: no CELERY_* from a developer's shell)
+    bare_app,
+    kwargs_of,
+)
 
 from celery_singleton_lock import LockedTask
 from celery_singleton_lock.delivery import config
 from celery_singleton_lock.engine.addresses import redact_url
 from celery_singleton_lock.engine.server import LockServer
-from celery_singleton_lock.testing.servers import RedisServer, free_port
-from celery_singleton_lock.topologies import servers
+from celery_singleton_lock.testing.servers import free_port
 from celery_singleton_lock.topologies import urls as cfg
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def bare_app(**conf) -> Celery:
-    """An app that is never connected to anything."""
-    app = Celery(f"urls{uuid.uuid4().hex[:8]}", set_as_current=False)
-    app.conf.update(**conf)
-    return app
-
-
-@pytest.fixture(autouse=True)
-def _no_celery_env(monkeypatch):
-    """Celery reads these before app.conf: a developer's shell must not change the results."""
-    for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "CELERY_BROKER_READ_URL", "CELERY_BROKER_WRITE_URL"):
-        monkeypatch.delenv(name, raising=False)
-
-
-def kwargs_of(url: str) -> dict:
-    """What redis-py makes of a URL, without connecting."""
-    return redis.Redis.from_url(url).connection_pool.connection_kwargs
 
 
 # -- 1. the fallback: a Redis result backend, then a Redis broker, else an error ------------------
@@ -70,9 +52,6 @@ def kwargs_of(url: str) -> dict:
 ])
 def test_fallback_order(conf, expected):
     assert cfg.lock_url(bare_app(**conf).conf) == expected
-
-
-SECRET = "s3cretpw"
 
 
 @pytest.mark.parametrize("conf, shown", [
@@ -310,200 +289,3 @@ def test_lock_server_url_hides_a_query_password():
         assert SECRET not in server.url and "password=***" in server.url
     finally:
         server.close()
-
-
-# -- 4. the eviction policy -----------------------------------------------------------------------
-
-
-@pytest.fixture
-def warnings_(caplog):
-    caplog.set_level(logging.WARNING, logger="celery_singleton_lock")
-
-    def policy_warnings() -> list[str]:
-        return [r.getMessage() for r in caplog.records
-                if r.levelno == logging.WARNING and "maxmemory-policy" in r.getMessage()]
-    return policy_warnings
-
-
-def config_gets(server) -> int:
-    """CONFIG GET calls so far (Redis 7 counts subcommands apart; 6.2 counts all CONFIG calls)."""
-    stats = server.commandstats()
-    return stats.get("config|get", stats.get("config", 0))
-
-
-def unique_url(server: RedisServer, db: int = 0, password: str | None = None) -> str:
-    """A URL nobody else in this process has checked (the memo is per URL and process)."""
-    auth = f":{password}@" if password else ""
-    return f"redis://{auth}127.0.0.1:{server.port}/{db}?client_name=t{uuid.uuid4().hex[:8]}"
-
-
-def test_noeviction_is_silent(fresh_redis, warnings_):
-    fresh_redis.client().config_set("maxmemory-policy", "noeviction")
-    url = unique_url(fresh_redis)
-    with redis.Redis.from_url(url) as client:
-        assert servers.check_eviction_policy(client, url) == "noeviction"
-    assert warnings_() == []
-
-
-@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl"])
-def test_an_evicting_policy_warns_once(fresh_redis, warnings_, policy):
-    fresh_redis.client().config_set("maxmemory-policy", policy)
-    fresh_redis.client().config_set("requirepass", SECRET)  # this private server only
-    url = unique_url(fresh_redis, db=2, password=SECRET)
-    authed = RedisAuthed(fresh_redis)
-    with redis.Redis.from_url(url) as client:
-        before = config_gets(authed)
-        assert servers.check_eviction_policy(client, url) == policy
-        assert servers.check_eviction_policy(client, url) == policy  # remembered: no second round trip
-        assert config_gets(authed) == before + 1
-    lines = warnings_()
-    assert len(lines) == 1, lines
-    assert policy in lines[0] and "noeviction" in lines[0] and f"127.0.0.1:{fresh_redis.port}/2" in lines[0]
-    assert SECRET not in lines[0] and ":***@" in lines[0]
-
-
-class RedisAuthed:
-    """commandstats of a server that now wants a password (helper for the test above)."""
-
-    def __init__(self, server: RedisServer) -> None:
-        self.server = server
-
-    def commandstats(self) -> dict[str, int]:
-        with self.server.client(password=SECRET) as c:
-            stats = c.info("commandstats")
-        return {name.split("_", 1)[1].lower(): int(v["calls"]) for name, v in stats.items()}
-
-
-def test_many_threads_one_round_trip_one_warning(fresh_redis, warnings_):
-    fresh_redis.client().config_set("maxmemory-policy", "allkeys-lfu")
-    url = unique_url(fresh_redis)
-    before = config_gets(fresh_redis)
-    barrier = threading.Barrier(8)
-    results: list[str | None] = []
-
-    def check() -> None:
-        with redis.Redis.from_url(url) as client:
-            barrier.wait(10)
-            results.append(servers.check_eviction_policy(client, url))
-
-    threads = [threading.Thread(target=check) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert results == ["allkeys-lfu"] * 8
-    assert config_gets(fresh_redis) == before + 1
-    assert len(warnings_()) == 1
-
-
-def test_config_renamed_away_is_silent(warnings_):
-    """Managed Redis often disables CONFIG; the policy here would warn if it could be read."""
-    with RedisServer(extra_args=["--rename-command", "CONFIG", "", "--maxmemory-policy", "allkeys-lru"]) as server:
-        url = unique_url(server)
-        with redis.Redis.from_url(url) as client:
-            with pytest.raises(redis.ResponseError):
-                client.config_get("maxmemory-policy")  # the server really refuses it
-            assert servers.check_eviction_policy(client, url) is None
-            assert servers.check_eviction_policy(client, url) is None
-    assert warnings_() == []
-
-
-def test_config_refused_by_acl_is_silent(fresh_redis, warnings_):
-    admin = fresh_redis.client()
-    admin.config_set("maxmemory-policy", "allkeys-lru")
-    admin.execute_command("ACL", "SETUSER", "locker", "on", ">lockerpw", "~*", "+@all", "-config")
-    url = f"redis://locker:lockerpw@127.0.0.1:{fresh_redis.port}/0?client_name=acl{uuid.uuid4().hex[:6]}"
-    with redis.Redis.from_url(url) as client:
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            client.config_get("maxmemory-policy")
-        assert servers.check_eviction_policy(client, url) is None
-    assert warnings_() == []
-
-
-def test_unreachable_is_silent_and_asked_again_later(warnings_):
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0?client_name=down{uuid.uuid4().hex[:6]}"
-    with redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1) as client:
-        assert servers.check_eviction_policy(client, url) is None  # nothing listens
-        with RedisServer(port=port, extra_args=["--maxmemory-policy", "allkeys-random"]) as server:
-            assert server.port == port
-            assert servers.check_eviction_policy(client, url) == "allkeys-random"  # not remembered as None
-    assert len(warnings_()) == 1
-
-
-# -- 5. Sentinel and Cluster URLs: Celery's Sentinel form, redis+cluster://, and their transport options ---
-
-
-@pytest.mark.parametrize("url, expected", [
-    ("sentinel://h1:26379/2;sentinel://h2:26380/2", "sentinel://h1:26379/2;sentinel://h2:26380/2"),
-    ("sentinel://:pw@h1:26379", "sentinel://:pw@h1:26379/0"),
-    ("sentinel://h1", "sentinel://h1:26379/0"),
-    ("redis+cluster://h1:7000,h2:7001", "redis+cluster://h1:7000,h2:7001"),
-    ("redis+cluster://u:pw@h1:7000/0", "redis+cluster://u:pw@h1:7000"),
-    ("rediss+cluster://h1:7000?ssl_cert_reqs=CERT_REQUIRED", "rediss+cluster://h1:7000?ssl_cert_reqs=required"),
-])
-def test_sentinel_and_cluster_urls_are_accepted(url, expected):
-    assert cfg.lock_url(bare_app(singleton_lock_url=url).conf) == expected
-
-
-@pytest.mark.parametrize("url, words", [
-    ("sentinel://h1:26379/x", ["'x'", "not a number"]),
-    ("sentinel://h1:26379/0?socket_timeout=1", ["query", "singleton_lock_redis_options"]),
-    ("sentinel://:pw@h1:port/0", ["port"]),
-    ("redis+cluster://h1:7000/2", ["database 0", "'2'"]),
-    ("redis+cluster://h1", ["'h1'", "host:port"]),
-    ("redis+cluster://h1:7000?ssl_cert_reqs=CERT_NONE", ["rediss"]),
-])
-def test_bad_sentinel_and_cluster_urls_name_the_bad_part(url, words):
-    with pytest.raises(ValueError) as info:
-        cfg.lock_url(bare_app(singleton_lock_url=url).conf)
-    assert "pw" not in str(info.value).replace("***", "")
-    for word in words:
-        assert word in str(info.value), (word, str(info.value))
-
-
-def test_transport_options_follow_the_source_of_the_url():
-    sentinel = "sentinel://s1:26379/1;sentinel://s2:26379/1"
-    own = bare_app(singleton_lock_url=sentinel, singleton_lock_transport_options={"master_name": "locks"},
-                   result_backend_transport_options={"master_name": "results"}).conf
-    assert cfg.lock_source(own) == ("sentinel://s1:26379/1;sentinel://s2:26379/1", "singleton_lock_url")
-    assert cfg.transport_options(own, "singleton_lock_url") == {"master_name": "locks"}
-    backend = bare_app(result_backend=sentinel, result_backend_transport_options={
-        "master_name": "results", "sentinel_kwargs": {"password": "x"}, "retry_policy": {}}).conf
-    assert cfg.lock_source(backend)[1] == "result_backend"
-    assert cfg.transport_options(backend, "result_backend") == {"master_name": "results",
-                                                                "sentinel_kwargs": {"password": "x"}}
-    broker = bare_app(broker_url=sentinel, broker_transport_options={"master_name": "b", "visibility_timeout": 5},
-                      singleton_lock_transport_options={"sentinel_kwargs": {"socket_timeout": 1}}).conf
-    assert cfg.lock_source(broker)[1] == "broker_url"
-    assert cfg.transport_options(broker, "broker_url") == {"master_name": "b", "sentinel_kwargs": {"socket_timeout": 1}}
-    with pytest.raises(ValueError, match="singleton_lock_transport_options must be a dict"):
-        cfg.transport_options(bare_app(singleton_lock_transport_options="mymaster").conf, "singleton_lock_url")
-
-
-@pytest.mark.parametrize("conf, words", [
-    ({"singleton_lock_min_replicas": -1}, ["singleton_lock_min_replicas", "-1"]),
-    ({"singleton_lock_min_replicas": "1"}, ["singleton_lock_min_replicas", "'1'"]),
-    ({"singleton_lock_replica_timeout": -2}, ["singleton_lock_replica_timeout", "-2"]),
-])
-def test_replica_settings_are_checked(conf, words):
-    app = bare_app(singleton_lock_url="redis://h:6379/0", **conf)
-
-    @app.task(base=LockedTask, shared=False, name="urls.replicas")
-    def f(a):
-        return a
-
-    app.finalize()
-    with pytest.raises(ValueError) as info:
-        config.resolve(f)
-    for word in words:
-        assert word in str(info.value)
-
-
-def test_a_sentinel_url_without_a_master_name_is_an_error_naming_the_setting():
-    from celery_singleton_lock.topologies import servers
-
-    with pytest.raises(ValueError, match="singleton_lock_transport_options.*master_name"):
-        servers.from_settings("sentinel://127.0.0.1:1/0")
-    with pytest.raises(ValueError, match="unknown option"):
-        servers.from_settings("sentinel://127.0.0.1:1/0", transport_options={"master_name": "m", "mastername": "x"})

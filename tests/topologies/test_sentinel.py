@@ -6,22 +6,21 @@ options (ours, or the result backend's / broker's when the URL is inherited) bui
 client; the whole task contract passes on it with a real worker; after a forced failover
 (``SENTINEL FAILOVER``) the thread-held hot-path connection and the watchdog's twin both reach the
 new master (READONLY from the demoted one, NOSCRIPT on the new one) and keep renewing; fencing
-tokens keep growing. And it measures overlapping executions across a failover with and without
-``WAIT`` (docs/operations/topologies.md reports the figures).
+tokens keep growing. Overlapping executions across a failover, with and without ``WAIT``, are
+measured in test_sentinel_overlaps.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import threading
 import time
 import uuid
 
 import pytest
 from _apps import make_app
 from _deployments import SentinelDeployment, _role
+from _sentinel_support import LOCK_DB, server_for
 from _task_support import assert_no_overlap, load_worker_app, start_worker_process
 from _topology_support import check_contract
 from celery import Celery
@@ -30,27 +29,13 @@ from celery_singleton_lock import LockedTask
 from celery_singleton_lock.delivery import config
 from celery_singleton_lock.engine.lock import Lock, Release, slot_safe
 from celery_singleton_lock.engine.scripts import ACQUIRE_FRESH
-from celery_singleton_lock.exceptions import LockBackendUnavailable, LockError
+from celery_singleton_lock.exceptions import LockBackendUnavailable
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies import servers
 from celery_singleton_lock.topologies.servers import SentinelLockServer
 from celery_singleton_lock.watchdog.renewer import Watchdog
 
 pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.usefixtures("collect_results")]
-
-LOCK_DB = 2
-
-
-@pytest.fixture(scope="module")
-def sentinel():
-    with SentinelDeployment(replicas=1, sentinels=3) as deployment:
-        yield deployment
-
-
-def server_for(sentinel: SentinelDeployment, **kwargs) -> SentinelLockServer:
-    srv = servers.from_settings(sentinel.url(LOCK_DB), transport_options=sentinel.transport_options, **kwargs)
-    assert isinstance(srv, SentinelLockServer)
-    return srv
 
 
 def test_celery_sentinel_urls_and_transport_options_build_a_sentinel_server(sentinel):
@@ -174,136 +159,6 @@ def test_a_read_cut_short_leaves_no_reply_behind_for_the_next_acquire(sentinel):
         assert lock.server.release(lock).status is Release.DELETED
     other.close()
     mine.close()
-
-
-# -- overlapping executions across a failover, with and without WAIT --------------------------------
-
-
-def failover_workload(sentinel: SentinelDeployment, min_replicas: int, listen: bool = True,
-                      unplanned: bool = False) -> dict[str, object]:
-    """Six workers take two keys in turn (bodies of 0.3 s under a 2 s TTL, renewed by a watchdog, each
-    body stopping at once if its lock is lost) while Sentinel fails the master over. Three keep their
-    connections (long-lived processes); three drop them after every run (processes that connect anew,
-    so they ask the Sentinels). Returns the counts; overlaps are pairs of bodies of one key that ran
-    at the same time."""
-    keys = [f"wl-{min_replicas}-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
-    stop = threading.Event()
-    runs: list[tuple[str, float, float, bool]] = []
-    counts = {"unavailable": 0, "lost": 0, "errors": 0}
-    guard = threading.Lock()
-    dog = Watchdog()
-    made: list[SentinelLockServer] = []
-
-    def worker(fresh: bool) -> None:
-        srv = server_for(sentinel, min_replicas=min_replicas, replica_timeout=0.2)
-        srv.follow_switches = listen
-        made.append(srv)
-        rng = random.Random()
-        while not stop.is_set():
-            key = rng.choice(keys)
-            try:
-                got = srv.acquire(key, 2.0)
-            except LockBackendUnavailable:
-                with guard:
-                    counts["unavailable"] += 1
-                time.sleep(0.05)
-                continue
-            except LockError:
-                with guard:
-                    counts["errors"] += 1
-                time.sleep(0.05)
-                continue
-            if not isinstance(got, Lock):
-                time.sleep(0.01)
-                continue
-            dog.track(got)
-            start = time.monotonic()
-            for _ in range(6):
-                if got.lost:
-                    break
-                time.sleep(0.05)
-            end = time.monotonic()
-            lost = got.lost
-            dog.forget(got)
-            with guard:
-                runs.append((key, start, end, lost))
-                counts["lost"] += lost
-            try:
-                srv.release(got)
-            except LockError:
-                pass
-            if fresh:
-                srv.close()  # the next run connects anew: it asks the Sentinels where the master is
-
-    threads = [threading.Thread(target=worker, args=(i >= 3,), daemon=True) for i in range(6)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(1.5)
-        failover_at = time.monotonic()
-        if unplanned:
-            sentinel.kill_master()  # SIGKILL; returns once a replica is promoted
-        else:
-            sentinel.failover(wait_demoted=True)  # returns once the old master has rejoined as a replica
-        time.sleep(2.0)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
-        dog.shutdown()
-        for srv in made:
-            srv.close()
-    overlaps = 0
-    for key in keys:
-        mine = sorted((s, e) for k, s, e, _ in runs if k == key)
-        overlaps += sum(1 for i, (_, e1) in enumerate(mine) for s2, _ in mine[i + 1:] if s2 < e1)
-    after = [r for r in runs if r[1] >= failover_at]
-    return {
-        "failover": "SIGKILL of the master" if unplanned else "SENTINEL FAILOVER",
-        "min_replicas": min_replicas, "listens_for_switches": listen, "runs": len(runs),
-        "runs_after_failover": len(after),
-        "overlapping_pairs": overlaps, "lost": counts["lost"], "unavailable": counts["unavailable"],
-        "errors": counts["errors"],
-    }
-
-
-def test_overlaps_across_a_failover_with_and_without_wait(sentinel, record_property):
-    """One failover per run: ours (moves when a switch is announced) and ours with WAIT. When
-    CSL_FAILOVER_FIGURES names a file (the figures of docs/operations/topologies.md), first also redis-py's own
-    following (a connection moves on READONLY, once Sentinel demoted the old master): it asserts
-    nothing and costs ~20 s, so the everyday suite leaves it out."""
-    out = os.environ.get("CSL_FAILOVER_FIGURES")
-    figures = [failover_workload(sentinel, 0, listen=False)] if out else []
-    figures += [failover_workload(sentinel, 0), failover_workload(sentinel, 1)]
-    for i, f in enumerate(figures):
-        record_property(f"failover_workload_{i}", json.dumps(f))
-        print("failover workload:", json.dumps(f))
-    if out:
-        with open(out, "a") as fh:
-            fh.write(json.dumps(figures) + "\n")
-    without, with_wait = figures[-2:]
-    assert without["runs"] > 0 and with_wait["runs"] > 0, "the workload ran"
-    assert without["runs_after_failover"] > 0 and with_wait["runs_after_failover"] > 0, "and ran across the switch"
-    assert with_wait["overlapping_pairs"] == 0, with_wait
-
-
-@pytest.mark.parametrize("min_replicas", [0, 1])
-def test_an_unplanned_failover_sigkill_of_the_master_with_two_replicas(min_replicas, record_property):
-    """SIGKILL of the master, 2 replicas, 3 Sentinels (down after 1 s): the threads' workload of the
-    test above, and figures for docs/operations/topologies.md. With min_replicas=1 an acquire counts only once a
-    replica has it, and Sentinel promotes the replica with the most data, so no granted lock is lost
-    and no two bodies of a key overlap. Without, an acquire in the last instant before the kill can
-    be lost with the master (the figures say how often that was seen)."""
-    with SentinelDeployment(replicas=2, sentinels=3) as deployment:
-        figures = failover_workload(deployment, min_replicas, unplanned=True)
-    record_property("unplanned_failover", json.dumps(figures))
-    print("unplanned failover workload:", json.dumps(figures))
-    if os.environ.get("CSL_FAILOVER_FIGURES"):
-        with open(os.environ["CSL_FAILOVER_FIGURES"], "a") as fh:
-            fh.write(json.dumps([figures]) + "\n")
-    assert figures["runs"] > 0 and figures["runs_after_failover"] > 0, f"the workload ran across the kill: {figures}"
-    if min_replicas:
-        assert figures["overlapping_pairs"] == 0, figures
 
 
 def test_an_unplanned_failover_under_a_running_holder_through_real_workers(redis_server, tmp_path):
