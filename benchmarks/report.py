@@ -71,7 +71,7 @@ def machine_meta(args: Any) -> dict[str, Any]:
         "python": platform.python_version(),
         "versions": {d: _version(d) for d in (
             "celery-singleton-lock", "celery", "kombu", "redis", "celery-once", "celery-singleton",
-            "python-redis-lock", "matplotlib", "py-spy")},
+            "python-redis-lock", "etcd3gw", "matplotlib", "py-spy")},
     }
 
 

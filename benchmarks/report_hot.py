@@ -107,6 +107,13 @@ PLAIN_HOW = {
     "redis-py": "`Lock(sleep=0.1)`: SET NX, else sleep 0.1 s and try again",
     "python-redis-lock": "`redis_lock.Lock`: SET NX, else BLPOP on the lock's signal list (one waiter woken "
                          "per release)",
+    "etcd-mutex": "etcd's mutex: `POST /v3/lock/lock` (v3lock: the server's concurrency.Mutex on the waiter's "
+                  "lease; it puts `name/<lease id>` and watches the key created just before its own, first come "
+                  "first served by create revision); `POST /v3/lock/unlock` deletes the holder's key, the next "
+                  "waiter's watch sees the delete, and it reads its own key before it answers",
+    "ours-etcd": "ours on etcd, `held(..., wait=…)`: our etcd backend has no line that wakes plain code (its line "
+                 "holds parked task messages, handed on by the release), so it polls: the acquire's txn, else "
+                 "sleep 20 ms doubling to 0.5 s (× 0.5–1 jitter) and try again",
 }
 
 
@@ -114,13 +121,23 @@ def render_plain_handoff(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
     r0 = rows[0]
+    etcd = next((r["etcd_version"] for r in rows if r.get("etcd_version")), None)
+    servers = "" if etcd is None else (
+        f"; {_and(r['impl'] for r in rows if not r.get('etcd_version'))} on one private redis-server, "
+        f"{_and(r['impl'] for r in rows if r.get('etcd_version'))} on a private one-member etcd {etcd} "
+        "that fsyncs its log (each take and release of the key is a Raft write, fsynced)")
     return (
         f"**Plain-code hand-off** ({r0['procs']} processes queue on one key, each takes it once per round, "
         f"{r0['rounds']} rounds, {r0['hold_s'] * 1000:g} ms holds; from the holder leaving its block (just before "
-        "its release) to the next holder entering its block; ms)\n\n"
+        f"its release) to the next holder entering its block{servers}; ms)\n\n"
         + _table(["lock", "how a waiter waits", "hand-offs", "p50", "p99", "max", "mean", "overlaps"],
                  [[r["impl"], PLAIN_HOW.get(r["impl"], ""), str(r["handoffs"]), _f(r["p50_ms"], 2),
                    _f(r["p99_ms"], 2), _f(r["max_ms"], 2), _f(r["mean_ms"], 2), str(r["overlaps"])] for r in rows]))
+
+
+def _and(names: Any) -> str:
+    names = list(names)
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def _drain_wall(o: dict[str, Any]) -> str:

@@ -170,20 +170,43 @@ def footprint_phases(results: dict, p: dict, locks: RedisServer, variants: dict[
         results["hot"] = hotkeys.run(out_dir, p, say)
         say("6b. hot key under a backlog: the same drain while its queue is kept 2 x the lock TTL deep")
         results["backlog"] = backlog.run(out_dir, p, say)
-        say(f"7. plain-code hand-off: {p['plain_procs']} processes on one key, {p['plain_rounds']} rounds")
-        plain_impls = ["ours", "redis-py"] + (["python-redis-lock"] if report.importable("redis_lock") else [])
-        results["plain_handoff"] = []
-        for impl in plain_impls:
-            r = scale_run("handoff", locks.url(0), impl=impl, procs=p["plain_procs"], rounds=p["plain_rounds"],
-                          hold=p["plain_hold"])
-            results["plain_handoff"].append(r)
-            say(f"  {impl}: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms ({r['handoffs']} hand-offs)")
+        results["plain_handoff"] = plain_handoff_phase(p, locks, say)
         if p["fp_waits"]:
             say(f"  footprint: waiting for the looks after {waits}")
     except BaseException:
         fp.close()
         raise
     results["footprint"] = fp.finish()
+
+
+def plain_handoff_phase(p: dict, locks: RedisServer, say: Say) -> list[dict[str, Any]]:
+    """7. The plain-code hand-off: ours and the Redis peers on the lock server; then, where an etcd binary and
+    etcd3gw exist, etcd's own mutex and ours on a private one-member etcd that fsyncs its log."""
+    say(f"7. plain-code hand-off: {p['plain_procs']} processes on one key, {p['plain_rounds']} rounds")
+    runs = [(impl, locks.url(0)) for impl in
+            ["ours", "redis-py"] + (["python-redis-lock"] if report.importable("redis_lock") else [])]
+    sys.path.insert(0, str(ROOT / "tests"))  # the suite's private etcd (tests/_etcd_servers.py)
+    from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd
+
+    etcd, missing = None, NO_ETCD if find_etcd() is None else None
+    if missing is None and not report.importable("etcd3gw"):
+        missing = "etcd3gw (the etcd client) is not importable"
+    if missing:
+        say(f"  etcd-mutex and ours-etcd skipped: {missing}")
+    else:  # free loopback ports, a temporary data dir, stopped by PID
+        etcd = EtcdCluster(members=1, fsync=True).start()
+        runs += [(impl, etcd.url()) for impl in ("etcd-mutex", "ours-etcd")]
+    rows = []
+    try:
+        for impl, url in runs:
+            r = scale_run("handoff", url, impl=impl, procs=p["plain_procs"], rounds=p["plain_rounds"],
+                          hold=p["plain_hold"])
+            rows.append(r)
+            say(f"  {impl}: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms ({r['handoffs']} hand-offs)")
+    finally:
+        if etcd is not None:
+            etcd.stop()
+    return rows
 
 
 def watchdog_phases(results: dict, p: dict, locks: RedisServer, say: Say) -> None:

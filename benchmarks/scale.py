@@ -6,6 +6,7 @@
     python scale.py micro --lock-url URL
     python scale.py floor --lock-url URL --n 2000
     python scale.py handoff --lock-url URL --impl ours|redis-py|python-redis-lock --procs 8 --rounds 20
+    python scale.py handoff --lock-url etcd://127.0.0.1:PORT --impl etcd-mutex|ours-etcd --procs 8 --rounds 20
 
 ``ours`` holds N locks in this process with the one watchdog renewing them;
 ``rlock`` holds N python-redis-lock locks with ``auto_renewal`` (a thread per
@@ -32,7 +33,7 @@ import time
 from collections import Counter
 
 import redis
-from scale_handoff import plain_handoff
+from scale_handoff import HOLDERS, plain_handoff
 from scale_topologies import quorum_cost, topology_cost
 
 
@@ -340,7 +341,7 @@ def main() -> None:
     parser.add_argument("--ttl", type=float, default=3.0)
     parser.add_argument("--chunk", type=int, default=500)
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--impl", choices=["ours", "redis-py", "python-redis-lock"], default="ours")
+    parser.add_argument("--impl", choices=list(HOLDERS), default="ours")
     parser.add_argument("--procs", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--hold", type=float, default=0.002)
