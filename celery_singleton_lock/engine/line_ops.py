@@ -71,20 +71,23 @@ def remove(server: LockBackend, name: str, owner_id: str, request_id: str = "") 
 
 
 def remove_everywhere(server: LockServer, index: str, owner_id: str, request_id: str = "",
-                      answered: dict[str, int] | None = None) -> list[str]:
+                      answered: dict[str, int | None] | None = None) -> list[str]:
     """Take task ``owner_id`` out of every line listed in the sweeper's ``index``; the keys it left.
 
     A look that fails part way is tried again with the same ``request_id`` and ``answered`` (each key's
-    answer so far, filled in here): a key answered already is not asked again (its hand-offs were
-    sent), and one whose answer was lost answers as it did the first time (its REMOVE is kept)."""
+    answer so far, filled in here; None: asked, no answer came): a key answered already is not asked
+    again (its hand-offs were sent), and one whose answer was lost is asked again even if it has left
+    the index since (a REMOVE that emptied its line lets a sweeper drop it), and answers as it did the
+    first time (its REMOVE is kept)."""
     answered = {} if answered is None else answered
     try:
-        keys = server.client.zrange(index, 0, -1)
+        listed = server.client.zrange(index, 0, -1)
     except REDIS_ERRORS as exc:
         raise server.error(exc, index) from exc
-    for raw in keys:
-        key = raw.decode() if isinstance(raw, bytes) else str(raw)
-        if key not in answered:
+    unanswered = [key for key, removed in answered.items() if removed is None]
+    for key in dict.fromkeys([*unanswered, *(k.decode() if isinstance(k, bytes) else str(k) for k in listed)]):
+        if answered.get(key) is None:
+            answered[key] = None
             answered[key] = remove(server, key, owner_id, request_id)[0]
     return [key for key, removed in answered.items() if removed]
 

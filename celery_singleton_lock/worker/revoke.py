@@ -81,7 +81,7 @@ class Look:
 
     task_id: str
     request_id: str = field(default_factory=lambda: secrets.token_hex(8))
-    answered: dict[tuple[int, str], dict[str, int]] = field(default_factory=dict)
+    answered: dict[tuple[int, str], dict[str, int | None]] = field(default_factory=dict)
     tries: int = TRIES
 
 
