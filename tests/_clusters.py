@@ -46,7 +46,9 @@ def worker_cluster(app: str, logs: Path, *, nodes: int = 2, concurrency: int = 2
     (the lock Redis) and ``proxy`` (the FaultProxy in front of it). Everything stops by PID after."""
     with RedisServer() as server, contextlib.ExitStack() as stack:
         base = f"redis://127.0.0.1:{server.port}"
-        env = {"CSL_REDIS_URL_BASE": base, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+        # CSL_WORKER_HOOKS: the apps' fault hooks (they patch the package) go in the workers only
+        env = {"CSL_REDIS_URL_BASE": base, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]),
+               "CSL_WORKER_HOOKS": "1"}
         locks = proxy = None
         if lock_proxy:
             locks = stack.enter_context(RedisServer())
@@ -54,7 +56,7 @@ def worker_cluster(app: str, logs: Path, *, nodes: int = 2, concurrency: int = 2
             stack.callback(proxy.close)
             env["CSL_LOCK_URL"] = proxy.url(2)
         saved = {k: os.environ.get(k) for k in ("CSL_REDIS_URL_BASE", "CSL_LOCK_URL")}
-        os.environ.update({k: v for k, v in env.items() if k != "PYTHONPATH"})
+        os.environ.update({k: v for k, v in env.items() if k not in ("PYTHONPATH", "CSL_WORKER_HOOKS")})
         stack.callback(_restore, saved)
         module = import_app(app)
         workers = [WorkerProcess(f"apps.{app}", concurrency=concurrency, cwd=TESTS,

@@ -6,8 +6,10 @@ their own (CSL_LOCK_URL), so that the lock Redis can be restarted empty without 
 Bodies journal each start and end (apps/_slot_journal.py), so the tests count runs and check that
 no two bodies of one key overlapped.
 
-Fault hooks (from outside the package, as tests/apps/kill_points.py): a slot waiter whose key is
-named by the journal's ``kill-handed`` set SIGKILLs its own process right after it was handed the key
+Fault hooks (from outside the package, as tests/apps/kill_points.py; installed in the worker processes
+only, where tests/_clusters.py sets CSL_WORKER_HOOKS, never in a test process that imports this app): a
+slot waiter whose key is named by the journal's ``kill-handed`` set SIGKILLs its own process right after it
+was handed the key
 in its worker slot (``policies._in_slot`` returned its Lock: it claimed the key) and before its body
 starts; once per key. A call named by the ``run-elsewhere`` set has run elsewhere right after a copy's
 first look at its stored state (``identity.ran_since_park``); once per call.
@@ -71,7 +73,7 @@ def filler(self, seconds: float = 0.05) -> None:
     journal.incr("fillers")
 
 
-_in_slot = policies._in_slot
+_in_slot = getattr(policies._in_slot, "__wrapped__", policies._in_slot)  # (a reload wraps the original)
 
 
 @functools.wraps(_in_slot)
@@ -85,9 +87,10 @@ def _handed_then_maybe_die(task: Any, request: Any, args: Any, kwargs: Any, *res
     return lock
 
 
-policies._in_slot = _handed_then_maybe_die  # type: ignore[assignment]
+if os.environ.get("CSL_WORKER_HOOKS") == "1":  # in the workers only, never in the test process
+    policies._in_slot = _handed_then_maybe_die  # type: ignore[assignment]
 
-_ran_since_park = identity.ran_since_park
+_ran_since_park = getattr(identity.ran_since_park, "__wrapped__", identity.ran_since_park)  # (the same)
 
 
 @functools.wraps(_ran_since_park)
@@ -101,7 +104,8 @@ def _ran_elsewhere_after_the_look(task: Any, request: Any) -> bool:
     return ran
 
 
-identity.ran_since_park = _ran_elsewhere_after_the_look  # type: ignore[assignment]
+if os.environ.get("CSL_WORKER_HOOKS") == "1":
+    identity.ran_since_park = _ran_elsewhere_after_the_look  # type: ignore[assignment]
 
 
 def journaled(name: str, **opts: Any) -> Any:
