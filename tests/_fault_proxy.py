@@ -11,6 +11,8 @@
   reply lost to a client that waits for it until its timeout);
 - blackout (``blackout(seconds)``): every open connection is closed, and new ones are refused
   (accepted and closed at once) for that many seconds;
+- count (``count(pattern)``, then ``seen(pattern)``): how many requests contained ``pattern``
+  since (no fault: what a client sent, counted);
 - lag (``lag(pattern, seconds)``): on every connection that sends a request containing ``pattern``
   (upper case; ``b""``: every connection), each reply from then on reaches the client ``seconds``
   late, in order, without holding up the ones behind it: a slow broker as its consumers see it
@@ -44,6 +46,7 @@ class FaultProxy:
         self._delayed: dict[bytes, tuple[int, float]] = {}
         self._dark_until = 0.0
         self._lag: tuple[bytes, float] | None = None
+        self._seen: dict[bytes, int] = {}
         self.lagged = 0
         """Connections lagging (``lag``), counted."""
         self.swallowing = threading.Event()
@@ -75,6 +78,15 @@ class FaultProxy:
         """Delay every reply ``seconds`` on each connection that sends ``pattern`` (see the module doc)."""
         with self._lock:
             self._lag = (pattern.upper(), seconds)
+
+    def count(self, pattern: bytes) -> None:
+        """Count the requests that contain ``pattern`` from now on (:meth:`seen`)."""
+        with self._lock:
+            self._seen[pattern] = 0
+
+    def seen(self, pattern: bytes) -> int:
+        with self._lock:
+            return self._seen[pattern]
 
     def left(self, pattern: bytes) -> int:
         with self._lock:
@@ -120,6 +132,8 @@ class FaultProxy:
                 if not data:
                     break
                 with self._lock:
+                    for pattern in self._seen:
+                        self._seen[pattern] += pattern in data
                     if self._lag is not None and not lagging and self._lag[0] in data.upper():
                         lagging.append(self._lag[1])
                         self.lagged += 1

@@ -44,6 +44,7 @@ from ..engine.line import entry_for
 from ..engine.lock import Done, Forced, Handoff, Holder, Lock, Release, Released, Verdict, check_ttl, slot_safe
 from ..engine.server import DEFAULT_TURN_TIMEOUT, TOKEN_BYTES, renew_one
 from ..exceptions import LockBackendUnavailable, LockError
+from . import etcd_watch
 from .etcd_line import EtcdLine, anyone_waits, line_is_empty
 from .etcd_listing import EtcdListing
 from .etcd_records import EtcdRecords
@@ -349,6 +350,9 @@ class EtcdLockServer:
                 return exc
 
     # -- for operators and tests ------------------------------------------------------
+
+    def wait_for_change(self, name: str, holder: Holder, seconds: float) -> bool:
+        return etcd_watch.wait_for_change(self.transport, layout.etcd_lock(slot_safe(name)), holder.queued, seconds)
 
     def holder(self, name: str) -> Holder | None:
         found = self.holder_and_lease(name)

@@ -24,7 +24,8 @@ to watch: the key is handed on instead, as on Redis.
   the sweeper takes it out and sends it back to fail with LockWaitTimeout.
 
 Not on etcd: merging calls (``coalesce`` parks each call, and each runs in its turn) and waiting in a
-worker slot (``lock_wait_in_slot``: the waiter parks at once). Plain ``held(..., wait=...)`` polls.
+worker slot (``lock_wait_in_slot``: the waiter parks at once). Plain ``held(..., wait=...)`` watches
+the lock key instead (:mod:`.etcd_watch`).
 """
 
 from __future__ import annotations

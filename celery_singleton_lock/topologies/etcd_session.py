@@ -122,6 +122,10 @@ class Transport:
         return Transport(self.endpoints, self.url, timeout=timeout, user=self.user, password=self.password,
                          **self.options)
 
+    def client(self) -> Any:
+        """The etcd3gw client of the endpoint that answered last (a watch takes its TLS and auth)."""
+        return self.clients[self._current]
+
     def close(self) -> None:
         for client in self.clients:
             client.session.close()

@@ -76,7 +76,7 @@ def held(
     if not isinstance(outcome, Lock) and wait > 0:
         if server.supports_slot_wait:  # it can block a waiter in its line, woken by the release (one Redis)
             outcome = wait_turn(server, name, ttl, owner_id=owner_id, wait=wait)
-        else:  # no line (a quorum), or none that wakes plain code (etcd): try again with back-off
+        else:  # no line (a quorum), or none that holds plain code (etcd): try again when it changes
             outcome = _poll(server, name, ttl, owner_id, wait)
     if not isinstance(outcome, Lock):
         holder = outcome.owner_id if isinstance(outcome, Holder) else None
@@ -96,7 +96,8 @@ def held(
 def _poll(
     server: LockBackend, name: str, ttl: float, owner_id: str | None, wait: float,
 ) -> Lock | Holder | Verdict | Done:
-    """Try again every 20 ms doubling to 0.5 s, until ``wait`` runs out (a server with no wait in line)."""
+    """Try again each time the key may have changed hands (etcd watches it), until ``wait`` runs out;
+    where nothing tells (a quorum), every 20 ms doubling to 0.5 s."""
     deadline = time.monotonic() + wait
     pause = 0.02
     while True:
@@ -104,5 +105,7 @@ def _poll(
         left = deadline - time.monotonic()
         if isinstance(outcome, Lock) or left <= 0:
             return outcome
+        if isinstance(outcome, Holder) and server.wait_for_change(name, outcome, left):
+            continue
         time.sleep(min(pause, left) * random.uniform(0.5, 1.0))
         pause = min(pause * 2, 0.5)

@@ -71,8 +71,7 @@ YOUNG_FOR = 2 * CLOCK_WINDOW + 1.0
 token may be up to CLOCK_WINDOW ahead of a member's clock and the next one as far behind, so a floor
 lost in a restart must not matter until the clocks have passed it."""
 FENCE_KEEP = 60.0
-"""Seconds a key's fencing floor lives on each member after it was written (see the module doc:
-past it, fencing rests on the members' clocks agreeing within this)."""
+"""Seconds a key's fencing floor lives on each member (past it, fencing rests on the members' clocks)."""
 DRIFT = 0.01
 """Clock drift allowed between this host and the members, as a share of the TTL (Redlock's factor)."""
 MEMBER_TIMEOUT = 1.0
@@ -81,9 +80,8 @@ LATE = 60.0
 """Seconds past its ttl after which an acquire still on its way to a member takes nothing there (the
 member's clock against this host's; a release's tombstone lives as long, plus a minute of skew)."""
 SINCE = "celery_singleton_lock:{quorum}:since"
-"""On each member: when its data began (its first use since it last started empty). A member whose
-data is younger than a lock's TTL may have lost a lock it granted (Redlock's restarted server): its
-vote alone does not count until a TTL has passed (the automatic form of Redlock's delayed restart)."""
+"""On each member: when its data began (its first use since it last started empty). A member with data
+younger than a lock's TTL may have lost a lock it granted: it does not vote alone (a delayed restart)."""
 
 
 class QuorumLockServer:
@@ -112,8 +110,7 @@ class QuorumLockServer:
                            for m in members)
         """Seconds an operation waits for a majority's answers (the members' socket timeout)."""
         self._twins: dict[float, QuorumLockServer] = {}
-        self._reached: dict[str, list[int]] = {}
-        """token -> the members its acquire may have taken the key on (its release must reach them)."""
+        self._reached: dict[str, list[int]] = {}  # token -> the members its acquire may have reached
 
     @classmethod
     def from_urls(cls, urls: Sequence[str], **client_options: Any) -> QuorumLockServer:
@@ -365,6 +362,9 @@ class QuorumLockServer:
             return ForceReleased(Forced.RELEASED, bytes(deleted[0][1]), len(deleted))
         changed = [bytes(r[1]) for r in answered if int(r[0]) == -1]
         return ForceReleased(Forced.CHANGED_HANDS, changed[0]) if changed else ForceReleased(Forced.NO_LOCK, b"")
+
+    def wait_for_change(self, name: str, holder: Holder, seconds: float) -> bool:
+        return False  # independent masters: nothing to watch; the caller backs off
 
     def holder(self, name: str) -> Holder | None:
         for member in self.members:
