@@ -111,9 +111,9 @@ PLAIN_HOW = {
                   "lease; it puts `name/<lease id>` and watches the key created just before its own, first come "
                   "first served by create revision); `POST /v3/lock/unlock` deletes the holder's key, the next "
                   "waiter's watch sees the delete, and it reads its own key before it answers",
-    "ours-etcd": "ours on etcd, `held(..., wait=…)`: our etcd backend has no line that wakes plain code (its line "
-                 "holds parked task messages, handed on by the release), so it polls: the acquire's txn, else "
-                 "sleep 20 ms doubling to 0.5 s (× 0.5–1 jitter) and try again",
+    "ours-etcd": "ours on etcd, `held(..., wait=…)`: no line holds plain code on etcd (its line holds parked "
+                 "task messages, handed on by the release): the acquire's txn, else a watch on the lock key and "
+                 "the txn again at its first change; every waiter wakes at a release, and one takes the key",
 }
 
 

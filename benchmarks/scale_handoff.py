@@ -131,7 +131,8 @@ def _holder(args):
 
 def _hold_ours(args):
     """Ours, ``held(..., wait=...)``: on one Redis it parks in the key's line and BLPOPs its wake-up list;
-    on etcd (``ours-etcd``, an ``etcd://`` URL) the backend has no line that wakes plain code, so it polls."""
+    on etcd (``ours-etcd``, an ``etcd://`` URL) no line holds plain code: it watches the lock key and tries
+    again when it changes."""
     from celery_singleton_lock import held
 
     def hold(name, body):

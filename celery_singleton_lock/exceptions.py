@@ -14,8 +14,14 @@ class LockError(Exception):
     """Base class of every error this package raises on purpose."""
 
 
+def _server_at(url: str) -> str:
+    """What the lock server at ``url`` is, in an error's words: etcd, or a Redis (one, Sentinel's,
+    a Cluster's, a quorum's members)."""
+    return "etcd" if url.startswith(("etcd://", "etcds://")) else "Redis"
+
+
 class LockBackendUnavailable(LockError):
-    """The lock's Redis could not be reached (connection refused, timeout, ...).
+    """The lock server (a Redis, or etcd) could not be reached (connection refused, timeout, ...).
 
     ``url`` is shown without its password.
     """
@@ -26,11 +32,11 @@ class LockBackendUnavailable(LockError):
         self.reason = reason
 
     def __str__(self) -> str:
-        return f"cannot reach the lock's Redis at {self.url}: {self.reason}"
+        return f"cannot reach the lock's {_server_at(self.url)} at {self.url}: {self.reason}"
 
 
 class LockBackendRefused(LockError):
-    """The lock's Redis refused in a way that trying again cannot fix: a wrong password
+    """The lock server refused in a way that trying again cannot fix: a wrong password
     or ACL, a server that is not Redis, a key holding something that is not our lock.
 
     ``url`` is shown without its password; ``reason`` says what to fix.
@@ -42,7 +48,7 @@ class LockBackendRefused(LockError):
         self.reason = reason
 
     def __str__(self) -> str:
-        return f"the lock's Redis at {self.url} refused: {self.reason}"
+        return f"the lock's {_server_at(self.url)} at {self.url} refused: {self.reason}"
 
 
 class LockLost(LockError):

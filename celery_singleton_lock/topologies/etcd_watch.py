@@ -42,14 +42,17 @@ def wait_for_change(transport: Transport, lock_key: str, queued: bool, seconds: 
     client = transport.client()
     with requests.Session() as session:  # a connection of its own: the stream holds it while it waits
         session.verify, session.cert = client.session.verify, client.session.cert
-        session.headers.update(client.session.headers)
+        token = client.session.headers.get("Authorization")  # (one get: another thread may renew it)
+        if token:
+            session.headers["Authorization"] = token
         try:
             with session.post(client.get_url("/watch"), json={"create_request": {"key": b64(lock_key)}},
                               stream=True, timeout=(transport.timeout, min(seconds, QUEUED if queued else LONGEST))
                               ) as reply:
                 reply.raise_for_status()
                 results = _results(reply)
-                if not next(results, {}).get("created"):
+                first = next(results, {})
+                if not first.get("created") or first.get("canceled"):  # refused (etcd's auth)
                     return False
                 if not queued and not _held(transport, lock_key):
                     return True  # released since the acquire: try again now
@@ -59,7 +62,7 @@ def wait_for_change(transport: Transport, lock_key: str, queued: bool, seconds: 
                 return True
         except requests.RequestException as exc:  # a read that timed out: nothing changed meanwhile
             return _timed_out(exc)
-        except LockError:  # the read: its trouble is the next acquire's to tell
+        except (LockError, ValueError):  # the read, or a stream that is not etcd's: the next acquire tells
             return False
 
 

@@ -14,6 +14,7 @@ from _task_support import TIMEOUT, locked
 from celery_singleton_lock import (
     DuplicateSkipped,
     DuplicateTask,
+    LockBackendRefused,
     LockBackendUnavailable,
     LockContended,
     LockError,
@@ -53,6 +54,14 @@ def check_same(got, original, attrs):
 def test_pickle_round_trip(exc, attrs):
     for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
         check_same(pickle.loads(pickle.dumps(exc, protocol)), exc, attrs)
+
+
+def test_a_server_error_names_the_kind_of_server_it_could_not_reach():
+    """etcd's errors say etcd, not Redis."""
+    assert str(LockBackendUnavailable("etcd://127.0.0.1:1", "refused")).startswith(
+        "cannot reach the lock's etcd at etcd://127.0.0.1:1")
+    assert "the lock's etcd at etcds://h:1 refused" in str(LockBackendRefused("etcds://h:1", "auth"))
+    assert "the lock's Redis at redis://h:1/0 refused" in str(LockBackendRefused("redis://h:1/0", "auth"))
 
 
 def test_lock_key_error_is_a_type_error():

@@ -7,7 +7,9 @@ counts the waiter's requests (its holder reaches etcd directly).
 
 from __future__ import annotations
 
+import re
 import threading
+import urllib.request
 import uuid
 
 import pytest
@@ -15,6 +17,7 @@ from _fault_proxy import FaultProxy
 
 from celery_singleton_lock import held
 from celery_singleton_lock.engine.lock import Lock
+from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies.etcd import EtcdLockServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,6 +28,14 @@ DEADLINE = 20.0
 
 def new_name() -> str:
     return f"etcd-wait:{uuid.uuid4().hex[:12]}"
+
+
+def watchers(etcd_server) -> int:
+    """The watches the etcd member keeps open now (its own gauge)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{etcd_server.members[0].client_port}/metrics").read()
+    found = re.search(rb"^etcd_debugging_mvcc_watcher_total (\S+)", text, re.M)
+    assert found, "the etcd member no longer reports its watchers"
+    return int(float(found.group(1)))
 
 
 @pytest.fixture
@@ -73,8 +84,8 @@ def test_a_waiter_tries_again_once_the_holder_releases_and_not_before(etcd_serve
 
 
 def test_waiters_woken_together_take_the_key_one_at_a_time(etcd_server, through_proxy):
-    """Four plain waiters wake at each release and race for the key: each runs its block once, and no
-    two blocks overlap."""
+    """Four plain waiters wake at each release and race for the key: each runs its block once, no two
+    blocks overlap, and no watch is left open on etcd."""
     _, server = through_proxy
     name, inside, overlaps, ran = new_name(), [0], [0], []
     guard = threading.Lock()
@@ -89,6 +100,7 @@ def test_waiters_woken_together_take_the_key_one_at_a_time(etcd_server, through_
                 inside[0] -= 1
                 ran.append(i)
 
+    before = watchers(etcd_server)
     threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(4)]
     for t in threads:
         t.start()
@@ -96,3 +108,5 @@ def test_waiters_woken_together_take_the_key_one_at_a_time(etcd_server, through_
         t.join(DEADLINE)
     assert sorted(ran) == [0, 1, 2, 3], f"blocks that ran: {ran}"
     assert overlaps[0] == 0
+    # each watch ends with its wait: etcd keeps none of them open
+    wait_until(lambda: watchers(etcd_server) <= before, DEADLINE, what="the waiters' watches to end")
