@@ -10,6 +10,7 @@ is an EVALSHA packed by hand (:mod:`.wire`) and sent on a connection the calling
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import threading
@@ -63,9 +64,11 @@ class ScriptClient:
         self.replica_timeout = replica_timeout
 
     def _sha(self, script: str) -> str:
+        """The script's SHA1, computed here: a process's first EVALSHA of a script another process
+        loaded already costs no SCRIPT LOAD (a NOSCRIPT reply loads it where it was sent: run)."""
         sha = self._shas.get(script)
         if sha is None:
-            sha = self._shas[script] = self.client.script_load(script)
+            sha = self._shas[script] = hashlib.sha1(script.encode()).hexdigest()  # noqa: S324 (Redis's own SHA1)
         return sha
 
     def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False,
@@ -172,8 +175,7 @@ class ScriptClient:
         script if Redis lost it (restart, SCRIPT FLUSH, failover): what every batched renewal uses."""
         replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
         if any(isinstance(r, NoScriptError) for r in replies):
-            self._shas.pop(scripts.RENEW_MANY, None)
-            replies = self._pipeline_evalsha(self._sha(scripts.RENEW_MANY), chunks)
+            replies = self._pipeline_evalsha(self._load_here(scripts.RENEW_MANY), chunks)
         return replies
 
     def _pipeline_evalsha(self, sha: str, chunks: Iterable[Sequence[Lock]]) -> list[Any]:

@@ -137,6 +137,22 @@ def test_one_command_per_operation_in_commandstats(any_redis):
         assert stats_diff(before, counted(any_redis)) == {"evalsha": 1}, op
 
 
+def test_a_new_process_first_call_of_a_script_already_loaded_is_one_evalsha(any_redis):
+    """A prefork child or a second process whose scripts another process loaded already: its first
+    acquire, renewal and release are one EVALSHA each, with no SCRIPT LOAD before them (the SHA is
+    computed in the process; only a NOSCRIPT reply loads the script)."""
+    warm(server_for(any_redis))
+    new = LockServer.from_url(any_redis.url(DB))  # knows no script yet, as a new process
+    with Monitor(any_redis) as mon:
+        lock = new.acquire(new_name(), 10)
+        assert isinstance(lock, Lock)
+        assert new.renew(lock) and new.release(lock)
+        mon.sync()
+        words = [cmd[0].upper() for cmd in mon.commands()]
+    assert words == ["EVALSHA"] * 3
+    new.close()
+
+
 @pytest.mark.timeout(90)
 def test_renew_many_of_1000_locks_is_one_pipelined_round_trip(any_redis, monkeypatch):
     server = server_for(any_redis)
