@@ -87,7 +87,7 @@ def remove_everywhere(server: LockServer, index: str, owner_id: str, request_id:
     unanswered = [key for key, removed in answered.items() if removed is None]
     for key in dict.fromkeys([*unanswered, *(k.decode() if isinstance(k, bytes) else str(k) for k in listed)]):
         if answered.get(key) is None:
-            answered[key] = None
+            answered[key] = None  # asked: if no answer comes, a look tried again asks it again
             answered[key] = remove(server, key, owner_id, request_id)[0]
     return [key for key, removed in answered.items() if removed]
 

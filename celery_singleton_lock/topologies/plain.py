@@ -1,7 +1,8 @@
 """The same lock for code that is not a Celery task: ``with held(url, name, ttl): ...``.
 
 It takes the lock, waiting up to ``wait`` seconds in the key's line (woken by
-the release that hands it the key, first come first served), has the
+the release that hands it the key, first come first served; on etcd it watches
+the lock key and tries again when it changes, on a quorum it backs off), has the
 process's watchdog renew it while the block runs, and releases it however the
 block ends. Inside, ``lock.ensure()`` and ``lock.fencing_token`` work as in a task.
 
