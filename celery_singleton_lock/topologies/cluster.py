@@ -62,7 +62,7 @@ class ClusterLockServer(LockServer):
     connection per node that each thread keeps, following MOVED (the slot map
     is patched) and ASK (``ASKING`` + the script in one write) and waiting out
     TRYAGAIN. Plain commands (holder, the waiting line, BLPOP of a plain waiter,
-    SCRIPT LOAD on every master) go through redis-py's ``RedisCluster``.
+    SCRIPT LOAD on every master after a NOSCRIPT) go through redis-py's ``RedisCluster``.
     """
 
     pipelines_sent = 0
@@ -201,18 +201,12 @@ class ClusterLockServer(LockServer):
             return []
         return _Renewal(self, locks, chunk).run()
 
-    def _sha(self, script: str) -> str:
-        sha = self._shas.get(script)
-        if sha is None:
-            # SCRIPT LOAD on every master: a slot may be served by any of them
-            sha = self._shas[script] = str(self.cluster.script_load(script))
-        return sha
-
     def _load_here(self, script: str) -> str:
-        """After NOSCRIPT: loaded again on every master, as the first load was (the command's own
-        node connection is picked per slot in _call)."""
-        self._shas.pop(script, None)
-        return self._sha(script)
+        """After NOSCRIPT: SCRIPT LOAD on every master, since a slot may move to any of them (the
+        command's own node connection is picked per slot in _call). The SHA itself is computed in the
+        process (``ScriptClient._sha``): a process whose scripts another loaded already loads nothing."""
+        sha = self._shas[script] = str(self.cluster.script_load(script))
+        return sha
 
     def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False,
             request_id: str = "") -> Any:
@@ -252,10 +246,7 @@ class _Renewal:
 
     def run(self) -> list[bool | LockError]:
         by_node = self._by_node()
-        try:
-            sha = self.server._sha(scripts.RENEW_MANY)
-        except (RedisError, RedisClusterException) as exc:
-            return [self.server.error(exc, self.locks[0].key)] * len(self.locks)
+        sha = self.server._sha(scripts.RENEW_MANY)  # (a node without it answers NOSCRIPT: _one_more loads it)
         sends = [sent for node, slots in by_node.values() if (sent := self._send(node, slots, sha)) is not None]
         for node, conn, parts in sends:
             self._read(node, conn, parts)

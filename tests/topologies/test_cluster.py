@@ -54,6 +54,8 @@ def test_the_url_picks_the_cluster_client_and_one_round_trip_per_operation(clust
     names = [f"op-{i}-{uuid.uuid4().hex[:6]}" for i in range(12)]
     nodes = {cluster.node_for_key("{" + n + "}").port for n in names}
     assert len(nodes) > 1, "the names spread over several masters"
+    warm = server.acquire(f"warm-{uuid.uuid4().hex[:6]}", 10)  # its first NOSCRIPT loads the script on every master
+    assert isinstance(warm, Lock) and server.renew(warm) and server.release(warm).status is Release.DELETED
     before = evalshas(cluster)
     locks = []
     for name in names:
@@ -71,6 +73,27 @@ def test_the_url_picks_the_cluster_client_and_one_round_trip_per_operation(clust
         assert server.release(lock).status is Release.DELETED
     assert all(server.holder(n) is None for n in names)
     other.close()
+
+
+def test_a_new_process_whose_scripts_are_loaded_sends_no_script_load(cluster, server):
+    """A prefork child on a Cluster: its first acquire, renewal, batched renewal and release are
+    EVALSHAs alone, with no SCRIPT LOAD on any master (the SHA is computed in the process)."""
+    names = [f"sha-{i}-{uuid.uuid4().hex[:6]}" for i in range(6)]
+    for name in names:  # the scripts loaded, as by an earlier process (NOSCRIPT loads them everywhere)
+        lock = server.acquire(name, 10)
+        assert isinstance(lock, Lock) and server.renew(lock) and server.renew_many([lock]) == [True]
+        assert server.release(lock).status is Release.DELETED
+    loads = lambda: sum(s.commandstats().get("script|load", 0) for s in cluster.servers)  # noqa: E731
+    before_loads, before = loads(), sum(evalshas(cluster).values())
+    new = servers.from_settings(cluster.url())
+    assert new is not server
+    locks = [new.acquire(name, 10) for name in names]
+    assert all(isinstance(lock, Lock) for lock in locks)
+    assert all(new.renew(lock) for lock in locks) and all(new.renew_many(locks))
+    assert all(new.release(lock).status is Release.DELETED for lock in locks)
+    assert sum(evalshas(cluster).values()) - before >= 3 * len(names), "the calls ran"
+    assert loads() == before_loads, "no SCRIPT LOAD"
+    new.close()
 
 
 def test_batched_renewal_is_one_pipeline_per_node_and_one_script_per_slot(cluster, server):
