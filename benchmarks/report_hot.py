@@ -105,8 +105,11 @@ def _render_handoff(h: dict[str, Any]) -> str:
 PLAIN_HOW = {
     "ours": "`held(..., wait=…)`: parks in the key's line, BLPOP on its own wake-up list; the release hands it the key",
     "redis-py": "`Lock(sleep=0.1)`: SET NX, else sleep 0.1 s and try again",
-    "python-redis-lock": "`redis_lock.Lock`: SET NX, else BLPOP on the lock's signal list (one waiter woken "
-                         "per release)",
+    "python-redis-lock": "`redis_lock.Lock(expire=30)`: SET NX, else BLPOP on the lock's signal list (one "
+                         "waiter woken per release); nothing renews the lock: a hold past 30 s loses it",
+    "python-redis-lock-renewed": "the same with `auto_renewal=True`, the service ours gives (the lock kept "
+                                 "while the block runs): a renewal thread started at each acquire, stopped "
+                                 "at its release",
     "etcd-mutex": "etcd's mutex: `POST /v3/lock/lock` (v3lock: the server's concurrency.Mutex on the waiter's "
                   "lease; it puts `name/<lease id>` and watches the key created just before its own, first come "
                   "first served by create revision); `POST /v3/lock/unlock` deletes the holder's key, the next "

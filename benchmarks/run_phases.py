@@ -184,7 +184,8 @@ def plain_handoff_phase(p: dict, locks: RedisServer, say: Say) -> list[dict[str,
     etcd3gw exist, etcd's own mutex and ours on a private one-member etcd that fsyncs its log."""
     say(f"7. plain-code hand-off: {p['plain_procs']} processes on one key, {p['plain_rounds']} rounds")
     runs = [(impl, locks.url(0)) for impl in
-            ["ours", "redis-py"] + (["python-redis-lock"] if report.importable("redis_lock") else [])]
+            ["ours", "redis-py"] + (["python-redis-lock", "python-redis-lock-renewed"]
+                                    if report.importable("redis_lock") else [])]
     sys.path.insert(0, str(ROOT / "tests"))  # the suite's private etcd (tests/_etcd_servers.py)
     from _etcd_servers import NO_ETCD, EtcdCluster, find_etcd
 

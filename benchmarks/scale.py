@@ -5,7 +5,7 @@
     python scale.py lost  --lock-url URL --ttl 1 --trials 20
     python scale.py micro --lock-url URL
     python scale.py floor --lock-url URL --n 2000
-    python scale.py handoff --lock-url URL --impl ours|redis-py|python-redis-lock --procs 8 --rounds 20
+    python scale.py handoff --lock-url URL --impl ours|redis-py|python-redis-lock[-renewed] --procs 8 --rounds 20
     python scale.py handoff --lock-url etcd://127.0.0.1:PORT --impl etcd-mutex|ours-etcd --procs 8 --rounds 20
 
 ``ours`` holds N locks in this process with the one watchdog renewing them;

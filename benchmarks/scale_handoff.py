@@ -1,9 +1,9 @@
 """scale.py's mode ``handoff``: hand-off latency for plain code, processes queueing on one key.
 
-    python scale.py handoff --lock-url URL --impl ours|redis-py|python-redis-lock --procs 8 --rounds 20
+    python scale.py handoff --lock-url URL --impl ours|redis-py|python-redis-lock[-renewed] --procs 8 --rounds 20
     python scale.py handoff --lock-url etcd://127.0.0.1:PORT --impl etcd-mutex|ours-etcd --procs 8 --rounds 20
 
-The first three take a Redis URL, the etcd impls an etcd one (run_phases.py starts a private
+The Redis impls take a Redis URL, the etcd impls an etcd one (run_phases.py starts a private
 one-member etcd that fsyncs its log: tests/_etcd_servers.py's ``EtcdCluster(fsync=True)``).
 """
 
@@ -155,13 +155,16 @@ def _hold_redis_py(args):
     return hold
 
 
-def _hold_python_redis_lock(args):
+def _hold_python_redis_lock(args, renewed: bool = False):
+    """python-redis-lock: SET NX, else BLPOP on its signal key. ``renewed`` (impl
+    ``python-redis-lock-renewed``): with ``auto_renewal=True``, the service ours gives (a hold longer
+    than the expiry keeps its lock); it starts a renewal thread per acquire and stops it at release."""
     import redis_lock
 
     client = redis.StrictRedis.from_url(args.lock_url)
 
-    def hold(name, body):  # python-redis-lock: SET NX, else BLPOP on its signal key
-        lock = redis_lock.Lock(client, name, expire=30)
+    def hold(name, body):
+        lock = redis_lock.Lock(client, name, expire=30, auto_renewal=renewed)
         lock.acquire(blocking=True)  # its timeout may not exceed expire; the parent has one
         try:
             return body()
@@ -209,6 +212,7 @@ def _hold_etcd_mutex(args):
 
 
 HOLDERS = {"ours": _hold_ours, "redis-py": _hold_redis_py, "python-redis-lock": _hold_python_redis_lock,
+           "python-redis-lock-renewed": lambda args: _hold_python_redis_lock(args, renewed=True),
            "etcd-mutex": _hold_etcd_mutex, "ours-etcd": _hold_ours}
 """Each impl's ``hold`` maker; ``etcd-mutex`` and ``ours-etcd`` take an ``etcd://`` lock URL."""
 ETCD_IMPLS = ("etcd-mutex", "ours-etcd")
