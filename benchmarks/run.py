@@ -33,19 +33,18 @@ runners of scale.py, capacity.py and etcd_bench.py, are in run_phases.py.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import os
-import subprocess
 import sys
 import time
-import venv
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import side_venv  # noqa: E402 (tools/: the stdlib-only virtualenv maker)
+
 VENV = BENCH_DIR / ".venv"
-VENV_PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 REQUIREMENTS = BENCH_DIR / "requirements.txt"
 
 
@@ -60,28 +59,7 @@ def say(msg: str) -> None:
 
 
 def ensure_venv(out_dir: Path) -> Path:
-    stamp = VENV / ".installed"
-    want = hashlib.sha256(
-        REQUIREMENTS.read_bytes() + (ROOT / "pyproject.toml").read_bytes() + sys.version.encode()
-    ).hexdigest()
-    if stamp.exists() and stamp.read_text() == want and VENV_PY.exists():
-        return VENV_PY
-    if not VENV_PY.exists():
-        say(f"creating virtualenv {VENV}")
-        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-    say("installing the package and the peers into it (benchmarks/requirements.txt)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = out_dir / "pip.log"
-    with open(log, "w") as f:
-        code = subprocess.call(
-            [str(VENV_PY), "-m", "pip", "install", "--disable-pip-version-check",
-             "-e", str(ROOT), "-r", str(REQUIREMENTS)],
-            cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-        )
-    if code:
-        sys.exit(f"pip install failed ({code}); see {log}:\n" + log.read_text()[-3000:])
-    stamp.write_text(want)
-    return VENV_PY
+    return side_venv.ensure(VENV, REQUIREMENTS, out_dir, say)
 
 
 def in_venv(path: Path) -> bool:

@@ -3,20 +3,19 @@ and the suite (t/integration of the Celery sdist, extracted into tools/.integ-wo
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 import shutil
 import subprocess
 import sys
 import tarfile
-import venv
 from pathlib import Path
+
+import side_venv  # (beside this file: tools/)
 
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
 VENV = TOOLS / ".venv-integ"
-VENV_PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+VENV_PY = side_venv.python_of(VENV)
 REQUIREMENTS = TOOLS / "integ-requirements.txt"
 WORK = TOOLS / ".integ-work"
 DURATIONS = TOOLS / "integ-durations.json"
@@ -31,28 +30,7 @@ def say(msg: str) -> None:
 
 
 def ensure_venv() -> Path:
-    stamp = VENV / ".installed"
-    want = hashlib.sha256(
-        REQUIREMENTS.read_bytes() + (ROOT / "pyproject.toml").read_bytes() + sys.version.encode()
-    ).hexdigest()
-    if stamp.exists() and stamp.read_text() == want and VENV_PY.exists():
-        return VENV_PY
-    if not VENV_PY.exists():
-        say(f"creating virtualenv {VENV}")
-        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-    say(f"installing this checkout and {REQUIREMENTS.name} into it")
-    WORK.mkdir(parents=True, exist_ok=True)
-    log = WORK / "pip.log"
-    with open(log, "w") as f:
-        code = subprocess.call(
-            [str(VENV_PY), "-m", "pip", "install", "--disable-pip-version-check", "-e", str(ROOT),
-             "-r", str(REQUIREMENTS)],
-            cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-        )
-    if code:
-        sys.exit(f"pip install failed ({code}); see {log}:\n" + log.read_text()[-3000:])
-    stamp.write_text(want)
-    return VENV_PY
+    return side_venv.ensure(VENV, REQUIREMENTS, WORK, say)
 
 
 def in_venv() -> bool:
