@@ -12,16 +12,18 @@ line of the app's lock servers (:func:`line_ops.remove_everywhere`: the key
 passes on at once if it was reserved for it) and stores REVOKED for it. The calls
 merged into it (``on_duplicate="coalesce"``) are sent again, as they were.
 
-Every worker does it (the first one finds the task; the others find
-nothing), so it works while any worker that received the broadcast runs.
+Every worker does it, under one request id per look (the first one takes the
+task out; the others, within the half minute a reply is kept, are answered as it
+was), so it works while any worker that received the broadcast runs, even one
+whose look came after the remover died.
 A revoke that lands while the task is being delivered, before it parked,
 finds nothing: each id is looked for again ``AGAIN`` seconds later.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,19 +72,28 @@ class RevokeWatch(bootsteps.StartStopStep):
         self.seen = now
         for task_id in sorted(new):
             look_for(c, Look(task_id))
-            c.timer.call_after(AGAIN, look_for, (c, Look(task_id)))
+            c.timer.call_after(AGAIN, look_for, (c, Look(task_id, again=True)))
 
 
 @dataclass
 class Look:
     """One look for a revoked task id in every line. A look that could not finish (a lock Redis did not
     answer) is tried again with its ``request_id`` and what it has found: a REMOVE that ran and whose
-    answer was lost then answers as it did (else the waiter it took out would stay WAITING for ever)."""
+    answer was lost then answers as it did (else the waiter it took out would stay WAITING for ever).
+
+    The request id is the same on every worker (made from the task id, and ``again`` for the look
+    ``AGAIN`` seconds later): a worker whose look comes after another's REMOVE ran is answered as that
+    one was, and stores REVOKED even if the worker that removed the waiter died before it could."""
 
     task_id: str
-    request_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    again: bool = False
     answered: dict[tuple[int, str], dict[str, int | None]] = field(default_factory=dict)
     tries: int = TRIES
+
+    @property
+    def request_id(self) -> str:
+        seed = f"revoke\n{self.task_id}\n{2 if self.again else 1}"
+        return hashlib.sha1(seed.encode()).hexdigest()[:16]  # noqa: S324 (a name, not a secret)
 
 
 def look_for(c: Any, look: Look) -> None:

@@ -11,6 +11,9 @@ happened (the reply was dropped), so none passes vacuously.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import time
 import uuid
 
@@ -201,6 +204,33 @@ def test_a_revoked_waiter_whose_removal_replies_are_lost_ends_revoked(env):
     index, lock_key = env.inline.lock_settings().index, env.inline.lock_key_for((k,), {})
     env.locks.client(2).zrem(index, lock_key)  # (the looks are tried again 2 s after they failed)
     wait_until(lambda: state_of(waiter) == "REVOKED", TIMEOUT, what="the revoked waiter to end REVOKED")
+    after = env.inline.delay(k, 0.1, "after")
+    checked(env, k, remove, [holder, after], ["holder", "after"])
+
+
+def test_a_revoked_waiter_ends_revoked_when_the_worker_whose_removal_ran_stops_before_it_asks_again(env):
+    """One worker's look takes the revoked waiter out of its line, and loses the reply twice; that worker
+    stops before it asks again (stopped here, as a worker killed would be). Another worker's look comes
+    after: it used to find nothing (the waiter had left the line), and the waiter stayed WAITING for ever.
+    Every worker's look now carries the same request id, so the later one is answered as the first was:
+    the waiter ends REVOKED, and never runs."""
+    remove = sha_of(line_ops.REMOVE)
+    env.locks.client(2).script_load(line_ops.REMOVE)  # (else the first send meets NOSCRIPT: nothing runs)
+    first, second = (f"{w.nodename.split('@')[0]}@{socket.gethostname()}" for w in env.workers)
+    k = new_key()
+    holder = env.inline.delay(k, 2.0, "holder")
+    started(env, k)
+    waiter = env.inline.delay(k, 0.1, "waiter")
+    parked(env, env.inline, k)
+    env.proxy.arm(remove, 2)  # the first worker's send and its client's second send
+    env.inline.app.control.revoke(waiter.id, destination=[first])
+    wait_until(lambda: env.proxy.left(remove) == 0, TIMEOUT, what="the first worker's look to lose its replies")
+    os.kill(env.workers[0].pid, signal.SIGSTOP)  # before it asks again (2 s later)
+    try:
+        env.inline.app.control.revoke(waiter.id, destination=[second])
+        wait_until(lambda: state_of(waiter) == "REVOKED", TIMEOUT, what="the revoked waiter to end REVOKED")
+    finally:
+        os.kill(env.workers[0].pid, signal.SIGCONT)
     after = env.inline.delay(k, 0.1, "after")
     checked(env, k, remove, [holder, after], ["holder", "after"])
 
