@@ -94,7 +94,8 @@ def test_a_long_hold_sends_nobody_ahead(server):
     holder = server.acquire(key, 5, owner_id="holder")
     first = _park(server, key, "w1")
     _park(server, key, "w2")
-    released = server.release(holder, presend=0.001)
+    holder.acquired_at -= 10.0  # held 10 s longer than it was, as far as the release measures it
+    released = server.release(holder, presend=5.0)  # (a "presend=0.001" passed or not with the VM's speed)
     assert [(h.what, h.entry) for h in released.handoffs] == [("run", first)]
 
 def test_a_copy_sent_ahead_whose_turn_comes_before_it_arrives_gets_the_key_kept_for_it(server):
