@@ -121,9 +121,7 @@ def send_again(app: Any, server: Any, key: str, owner: str) -> int:
     """A waiter left its line without running (revoked): the calls merged into it go again, as they were."""
     if not server.supports_merge:
         return 0
-    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
-    if calls:
-        dedupe.drop_merged(server, key, owner, sent_again=True)
+    calls = [_unpack(m) for m in dedupe.take_merged(server, key, owner)]  # (every worker's revoke look may ask)
     for call in calls:
         app.signature(call).apply_async()
     return len(calls)

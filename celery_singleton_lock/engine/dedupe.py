@@ -62,19 +62,23 @@ return 0
 TAKE_MERGED = """
 -- KEYS[1] the merged task ids of a waiter, KEYS[2] their messages, KEYS[3] the lock; ARGV[1] ''
 -- to read them (the messages, oldest first), '1' to delete them (settled: a redelivery of one
--- stays merged until LOCK:mo:<id> expires), '2' to delete them and where they went (sent again).
+-- stays merged until LOCK:mo:<id> expires), '2' to delete them and where they went (sent again),
+-- '3' to read them and delete them and where they went, in one call (taken, to be sent again: two
+-- workers that both take them get them once between them).
 local ids = redis.call('LRANGE', KEYS[1], 0, -1)
-if ARGV[1] ~= '' then
-  if ARGV[1] == '2' then
+local function forget(sent_again)
+  if sent_again then
     for _, id in ipairs(ids) do redis.call('DEL', KEYS[3] .. ':mo:' .. id) end
   end
   return redis.call('DEL', KEYS[1], KEYS[2])
 end
+if ARGV[1] == '1' or ARGV[1] == '2' then return forget(ARGV[1] == '2') end
 if #ids == 0 then return {} end
 local out = {}
 for _, m in ipairs(redis.call('HMGET', KEYS[2], unpack(ids))) do
   if m then out[#out + 1] = m end                               -- (one revoked since: gone)
 end
+if ARGV[1] == '3' then forget(true) end
 return out
 """
 
@@ -120,6 +124,13 @@ def merged_calls(server: LockServer, name: str, owner: str) -> list[bytes]:
     """The parked messages of the calls merged into waiting task ``owner``, oldest first."""
     key = slot_safe(name)
     return [bytes(m) for m in server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("",))]
+
+
+def take_merged(server: LockServer, name: str, owner: str) -> list[bytes]:
+    """The parked messages of the calls merged into ``owner``, oldest first, forgotten in the same call
+    (with where they went): for sending them again, by whichever process takes them first."""
+    key = slot_safe(name)
+    return [bytes(m) for m in server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("3",))]
 
 
 def drop_merged(server: LockServer, name: str, owner: str, *, sent_again: bool = False, request_id: str = "") -> None:

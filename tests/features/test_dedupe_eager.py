@@ -125,6 +125,24 @@ def test_merge_goes_into_a_parked_task_only(redis_server):
     assert dedupe.merged_calls(server, key, merged.into_owner) == []
 
 
+def test_calls_taken_to_be_sent_again_are_taken_once(redis_server):
+    """A revoked coalescing waiter's merged calls are sent again by the worker that takes them: every
+    worker's revoke look may ask, so reading and forgetting them is one call, and a second take gets
+    none (a read, then a delete, let two workers both read them and send each twice)."""
+    server = LockServer.from_url(redis_server.url(2))
+    key = f"t:{{{uuid.uuid4().hex}}}"
+    server.acquire(key, 5, owner_id="holder")
+    queue.park(server, key, queue.entry_for("w1"), kind="t", wait=10, ttl=5, owner_id="w1", message=b"1", merge=True)
+    for owner in ("w2", "w3"):
+        queue.park(server, key, queue.entry_for(owner), kind="t", wait=10, ttl=5, owner_id=owner,
+                   message=owner.encode(), merge=True)
+    assert server.client.get(layout.merged_into(key, "w2")) == b"w1"
+    assert dedupe.take_merged(server, key, "w1") == [b"w2", b"w3"]
+    assert dedupe.take_merged(server, key, "w1") == []
+    assert server.client.get(layout.merged_into(key, "w2")) is None  # sent again: no longer merged
+    server.close()
+
+
 def test_celery_locks_shows_a_cooldown_with_the_time_left(worker_app):
     """`celery locks list` and `show` print a cooldown as such (no holder), with the time left."""
     server = LockServer.from_url(worker_app.app.conf.singleton_lock_url)
