@@ -117,11 +117,13 @@ def fail_all(task: Any, server: Any, key: str, owner: str, exc: BaseException) -
             logger.warning("lock %s: the merged calls of %s stay until they expire: %s", key, owner, exc2)
 
 
-def send_again(app: Any, server: Any, key: str, owner: str) -> int:
-    """A waiter left its line without running (revoked): the calls merged into it go again, as they were."""
+def send_again(app: Any, server: Any, key: str, owner: str, request_id: str = "") -> int:
+    """A waiter left its line without running (revoked): the calls merged into it go again, as they were.
+    They are taken (read and forgotten) in one call, since every worker's revoke look may ask; a take
+    sent again with its ``request_id`` (the same worker's look, tried again) is answered as it was."""
     if not server.supports_merge:
         return 0
-    calls = [_unpack(m) for m in dedupe.take_merged(server, key, owner)]  # (every worker's revoke look may ask)
+    calls = [_unpack(m) for m in dedupe.take_merged(server, key, owner, request_id)]
     for call in calls:
         app.signature(call).apply_async()
     return len(calls)

@@ -126,11 +126,13 @@ def merged_calls(server: LockServer, name: str, owner: str) -> list[bytes]:
     return [bytes(m) for m in server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("",))]
 
 
-def take_merged(server: LockServer, name: str, owner: str) -> list[bytes]:
+def take_merged(server: LockServer, name: str, owner: str, request_id: str = "") -> list[bytes]:
     """The parked messages of the calls merged into ``owner``, oldest first, forgotten in the same call
-    (with where they went): for sending them again, by whichever process takes them first."""
+    (with where they went): for sending them again, by whichever process takes them first.
+    ``request_id``: see :func:`.kept.tried` (a take whose answer was lost, asked again, answers as it did)."""
     key = slot_safe(name)
-    return [bytes(m) for m in server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("3",))]
+    return [bytes(m) for m in server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("3",),
+                                         request_id=request_id)]
 
 
 def drop_merged(server: LockServer, name: str, owner: str, *, sent_again: bool = False, request_id: str = "") -> None:

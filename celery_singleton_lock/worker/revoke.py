@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,8 @@ class Look:
     again: bool = False
     answered: dict[tuple[int, str], dict[str, int | None]] = field(default_factory=dict)
     tries: int = TRIES
+    own_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    """This worker's own request id, for what only one worker may do: take the merged calls to send."""
 
     @property
     def request_id(self) -> str:
@@ -119,7 +122,7 @@ def take_out(app: Any, look: Look | str) -> list[str] | None:
             else:
                 keys = line_ops.remove_everywhere(server, index, look.task_id, look.request_id, answered)
             for key in keys:  # a coalescing waiter's merged calls did not run: they go again
-                coalescing.send_again(app, server, key, look.task_id)
+                coalescing.send_again(app, server, key, look.task_id, look.own_id)
             left += keys
         except LockError as exc:
             complete = False

@@ -128,7 +128,8 @@ def test_merge_goes_into_a_parked_task_only(redis_server):
 def test_calls_taken_to_be_sent_again_are_taken_once(redis_server):
     """A revoked coalescing waiter's merged calls are sent again by the worker that takes them: every
     worker's revoke look may ask, so reading and forgetting them is one call, and a second take gets
-    none (a read, then a delete, let two workers both read them and send each twice)."""
+    none (a read, then a delete, let two workers both read them and send each twice). A take whose
+    answer was lost, asked again with its request id, is answered as it was (else they are lost)."""
     server = LockServer.from_url(redis_server.url(2))
     key = f"t:{{{uuid.uuid4().hex}}}"
     server.acquire(key, 5, owner_id="holder")
@@ -137,8 +138,9 @@ def test_calls_taken_to_be_sent_again_are_taken_once(redis_server):
         queue.park(server, key, queue.entry_for(owner), kind="t", wait=10, ttl=5, owner_id=owner,
                    message=owner.encode(), merge=True)
     assert server.client.get(layout.merged_into(key, "w2")) == b"w1"
-    assert dedupe.take_merged(server, key, "w1") == [b"w2", b"w3"]
-    assert dedupe.take_merged(server, key, "w1") == []
+    assert dedupe.take_merged(server, key, "w1", "take-1") == [b"w2", b"w3"]
+    assert dedupe.take_merged(server, key, "w1") == []  # another worker's take
+    assert dedupe.take_merged(server, key, "w1", "take-1") == [b"w2", b"w3"]  # the first, asked again
     assert server.client.get(layout.merged_into(key, "w2")) is None  # sent again: no longer merged
     server.close()
 
