@@ -235,6 +235,29 @@ def test_a_revoked_waiter_ends_revoked_when_the_worker_whose_removal_ran_stops_b
     checked(env, k, remove, [holder, after], ["holder", "after"])
 
 
+def test_a_revoked_coalescing_waiters_merged_call_whose_take_loses_its_replies_runs_once(env):
+    """A coalescing waiter with a call merged into it is revoked: the merged call did not run, and goes
+    again as it was. The worker that takes it (reads and forgets the waiter's merged calls, in one call)
+    loses the take's reply twice (its client's own second send too); the other worker's take finds
+    nothing. The look is tried again with the worker's own request id and is answered as its take was:
+    the merged call is sent once and runs once, the waiter ends REVOKED and never runs."""
+    take = sha_of(dedupe.TAKE_MERGED)
+    env.locks.client(2).script_load(dedupe.TAKE_MERGED)  # (else the first send meets NOSCRIPT: nothing runs)
+    task = env.merging
+    k = new_key()
+    holder = task.delay(k, 2.0, "holder")
+    started(env, k)
+    waiter = task.delay(k, 0.1, "waiter")
+    parked(env, task, k)
+    merged = task.delay(k, 0.1, "merged")
+    wait_until(lambda: (task.backend.get_task_meta(merged.id, cache=False)["result"] or {}).get("merged_into")
+               == waiter.id, TIMEOUT, what="the call to merge")
+    env.proxy.arm(take, 2)
+    waiter.revoke()
+    wait_until(lambda: state_of(waiter) == "REVOKED", TIMEOUT, what="the revoked waiter to end REVOKED")
+    checked(env, k, take, [holder, merged], ["holder", "merged"])
+
+
 @pytest.mark.parametrize("ending", ["ignored", "succeeded"])
 def test_a_coalescing_run_whose_merged_calls_cannot_be_read_again_settles_or_sends_each_once(env, ending):
     """A coalescing waiter's run covers a call merged into it; when the run ends, reading the merged
