@@ -118,7 +118,7 @@ def take_out(app: Any, look: Look | str) -> list[str] | None:
             own = queue.own_line(server)
             answered = look.answered.setdefault((id(server), index), {})
             if own is not None:  # (a look tried again also finds what a lost try took out: see etcd_line)
-                keys = own.remove(look.task_id, look.request_id, again=look.tries < TRIES)
+                keys = own.remove(look.task_id, look.request_id)
             else:
                 keys = line_ops.remove_everywhere(server, index, look.task_id, look.request_id, answered)
             for key in keys:  # a coalescing waiter's merged calls did not run: they go again

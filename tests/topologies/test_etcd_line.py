@@ -260,9 +260,9 @@ def test_a_revoke_whose_leave_reply_was_lost_still_finds_the_key_it_left(server,
             behind.waiting.remove("doomed", "look-1")
         assert proxy.dropped == [b"/v3/kv/txn"], "the leave's reply was not lost: the test did not run its fault"
         assert lines.line(server, name) == ["kept"], "the lost leave did not run"
-        assert behind.waiting.remove("doomed", "look-1", again=True) == [holder.key]
+        assert behind.waiting.remove("doomed", "look-1") == [holder.key]
         assert [(h.what, h.owner_id) for h in behind.sent] == [("run", "kept")]  # the key passed on
-        assert behind.waiting.remove("doomed", "look-2", again=True) == []  # another look: nothing of it left
+        assert behind.waiting.remove("doomed", "look-2") == []  # another look: nothing of it left
     finally:
         behind.close()
         proxy.close()

@@ -7,6 +7,9 @@ through the proxy (CSL_LOCK_URL); broker, results and journal on a private Redis
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 from _clusters import new_key, runs, started, state_of, worker_cluster
 from _etcd_servers import running_etcd
@@ -17,6 +20,7 @@ from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies.etcd import EtcdLockServer
 from celery_singleton_lock.topologies.etcd_line import waiter_key
 from celery_singleton_lock.topologies.etcd_session import b64
+from celery_singleton_lock.worker import revoke
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,6 +61,36 @@ def test_a_revoked_waiter_whose_leave_reply_is_lost_ends_revoked(etcd_env):
     waiter.revoke()
     wait_until(lambda: state_of(waiter) == "REVOKED", TIMEOUT, what="the revoked waiter to end REVOKED")
     assert env.proxy.dropped, "the leave's reply was not lost: the test did not run its fault"
+    after = env.inline.delay(k, 0.1, "after")
+    holder.get(timeout=TIMEOUT)
+    after.get(timeout=TIMEOUT)
+    assert sorted(r["tag"] for r in runs(env, k)) == ["after", "holder"]  # the waiter never ran
+
+
+def test_a_revoked_waiter_ends_revoked_when_the_worker_whose_leave_ran_stops_before_it_asks_again(etcd_env):
+    """The worker's leave of a revoked waiter runs, its reply is lost, and the worker stops before it
+    asks again (stopped here, as a worker killed would be). Another worker's look (run here, the same
+    function a worker's revoke watch runs) comes after: it used to find nothing (the waiter had left its
+    line), and the waiter stayed WAITING for ever. Every worker's look carries the same request id, and
+    the tombstone the leave left names it: the later look finds the key, stores REVOKED, and the waiter
+    never runs."""
+    env = etcd_env
+    k = new_key()
+    holder = env.inline.delay(k, 2.0, "holder")
+    started(env, k)
+    waiter = env.inline.delay(k, 0.1, "waiter")
+    lock_key = env.inline.lock_key_for((k,), {})
+    wait_until(lambda: queue.line(env.etcd, lock_key) == [waiter.id], TIMEOUT, what="the waiter to park")
+    env.proxy.arm(b64(waiter_key(lock_key, "1", queue.entry_for(waiter.id))).encode(), 1)
+    dropped = len(env.proxy.dropped)
+    waiter.revoke()
+    wait_until(lambda: len(env.proxy.dropped) > dropped, TIMEOUT, what="the worker's leave to lose its reply")
+    os.kill(env.workers[0].pid, signal.SIGSTOP)  # before its look is tried again (2 s later)
+    try:
+        assert revoke.take_out(env.inline.app, revoke.Look(waiter.id)) == [lock_key]
+        assert state_of(waiter) == "REVOKED"
+    finally:
+        os.kill(env.workers[0].pid, signal.SIGCONT)
     after = env.inline.delay(k, 0.1, "after")
     holder.get(timeout=TIMEOUT)
     after.get(timeout=TIMEOUT)
