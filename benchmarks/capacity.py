@@ -13,7 +13,7 @@ server's busy share are given beside it.
 
 - **ours**: the bytes LockServer sends for a task's lock: a fresh delivery's acquire (an ACQUIRE_FRESH
   EVALSHA: EXISTS line, TIME, SET NX PX) and then its release, a RELEASE_FRESH
-  EVALSHA (an early-ack task that succeeded), packed by the package itself (``wire.pack``,
+  EVALSHA: GET, EXISTS line, DEL (an early-ack task that succeeded), packed by the package itself (``wire.pack``,
   ``layout.lock_keys``, ``wire.meta``), so the server runs exactly what a worker makes it run.
 - **cookbook**: Celery's recipe as the other benchmarks model it: ``SET key token NX EX 60``,
   then a token-checked ``DEL`` run as one script (GET, DEL) by EVALSHA.
@@ -121,7 +121,7 @@ def _commands(variant: str, shas: dict[str, str], tag: str, i: int) -> tuple[byt
         keys = layout.lock_keys(f"singleton_lock:bench.ours:{{{digest}}}")
         # what LockServer.acquire sends for a fresh delivery, and its release for a success kept nowhere
         acquire = wire.pack(shas["acquire"], keys[:2], (token, wire.meta(owner), "30000"))  # ACQUIRE_FRESH
-        release = wire.pack(shas["release"], keys[:1], (token + " ",))  # RELEASE_FRESH: 1 key, 1 argument
+        release = wire.pack(shas["release"], keys[:2], (token + " ",))  # RELEASE_FRESH: lock and line, 1 argument
         return acquire, release
     key = "cookbook-lock-" + hashlib.md5(f"{tag}:{i}".encode()).hexdigest()
     parts = [b"SET", key.encode(), owner.encode(), b"NX", b"EX", b"60"]
@@ -308,7 +308,7 @@ def run(seconds: float, rounds: int, procs: int, conns: int, warmup: float, coun
 
 def render(cap: dict[str, Any], table: Any) -> str:
     rows = []
-    for v, label in (("ours", "ours (EVALSHA of EXISTS, TIME, SET NX PX; EVALSHA of GET, DEL)"),
+    for v, label in (("ours", "ours (EVALSHA of EXISTS, TIME, SET NX PX; EVALSHA of GET, EXISTS, DEL)"),
                      ("cookbook", "cookbook (SET NX EX + EVALSHA of GET, DEL)")):
         d = cap["variants"][v]
         cmds = ", ".join(f"{k.upper()} {n:.2f}" for k, n in sorted(d["commands_per_task"].items()))

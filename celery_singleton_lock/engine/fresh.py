@@ -9,13 +9,11 @@ A key with waiters in line is never taken by it: nobody jumps the line.
 FRESH_RELEASE is a prefix of RELEASE, run before the script's shared functions are even made, and
 it returns only where nothing else could be needed; any other case falls through to the full
 RELEASE, which reads the key again. RELEASE_FRESH is that prefix alone, for a lock taken fresh with
-nothing to remember: one key and one argument. So a fresh task costs Redis EXISTS, TIME and SET in
-one EVALSHA, and GET and DEL in another.
+nothing to remember: two keys (the lock and its line) and one argument. So a fresh task costs Redis
+EXISTS, TIME and SET in one EVALSHA, and GET, EXISTS and DEL in another.
 
-What makes skipping the line safe at release: only PARK adds a waiter, and it flags the holder's
-value it parks behind (``,"line":1`` at the end of its metadata, ``holding()`` in the scripts); a
-holder taken while a line exists is flagged when taken. A holder's value without the flag
-therefore means nobody waited behind it.
+Skipping the line at release is safe because a waiter is only ever added to the line, and the
+release looks at the line itself: an empty line means nobody waits behind the holder.
 """
 
 from __future__ import annotations
@@ -47,12 +45,12 @@ return {0, '', -2}
 
 FRESH_RELEASE = """
 -- The lightest path, first (before the shared functions below are even made): our lock,
--- nobody parked behind it (no ',"line":1' flag: see holding()), no success to remember, no
--- cooldown and not a retry: GET, DEL, and the bare 1 that stands for {1} (deleted, no hand-offs).
--- Anything else falls through to the full RELEASE, which reads the key again.
+-- nobody in line, no success to remember, no cooldown and not a retry: GET, EXISTS, DEL, and the
+-- bare 1 that stands for {1} (deleted, no hand-offs). Anything else falls through to the full
+-- RELEASE, which reads the key again.
 if ARGV[4] == '0' and ARGV[6] ~= '1' and (ARGV[8] or '0') == '0' then
   local held = redis.call('GET', KEYS[1])
-  if held and string.find(held, ARGV[1], 1, true) == 1 and not string.find(held, ',"line":1}', -10, true) then
+  if held and string.find(held, ARGV[1], 1, true) == 1 and redis.call('EXISTS', KEYS[2]) == 0 then
     redis.call('DEL', KEYS[1])
     return 1
   end
@@ -60,14 +58,13 @@ end
 """
 
 RELEASE_FRESH = """
--- KEYS[1] lock; ARGV[1] "<token> ". The release of a lock taken fresh (ACQUIRE_FRESH), when nothing
--- is to be remembered: ours, and nobody parked behind it (no ',"line":1' flag, see holding()): DEL,
--- and 1. Anything else: 0, nothing done, and the client sends the full RELEASE. One key and one
--- argument, as the cookbook's release: a script's every argument costs Redis time. The two tests
--- compare in place (string.find, plain, anchored): string.sub would make, hash and intern two new
--- strings per call (1.5 % of the server's instructions per task, counted by callgrind).
+-- KEYS[1] lock, KEYS[2] line; ARGV[1] "<token> ". The release of a lock taken fresh (ACQUIRE_FRESH),
+-- when nothing is to be remembered: ours, and nobody in line: DEL, and 1. Anything else: 0, nothing
+-- done, and the client sends the full RELEASE. One argument: a script's every argument costs Redis
+-- time. The token is compared in place (string.find, plain, anchored): string.sub would make, hash
+-- and intern a new string per call (counted by callgrind).
 local held = redis.call('GET', KEYS[1])
-if held and string.find(held, ARGV[1], 1, true) == 1 and not string.find(held, ',"line":1}', -10, true) then
+if held and string.find(held, ARGV[1], 1, true) == 1 and redis.call('EXISTS', KEYS[2]) == 0 then
   redis.call('DEL', KEYS[1])
   return 1
 end

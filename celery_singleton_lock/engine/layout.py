@@ -7,9 +7,8 @@ every key below lives in K's hash slot and no script touches two slots):
     the lock: ``"<token> <fence> <json: owner, host, pid>"`` with a PX expiry;
     or, while it is being handed to a waiter, a reservation
     ``"~<entry> 0 <json: owner, reserved>"`` that only that waiter can claim.
-    The fence is the server clock in microseconds when the lock was taken. A holder
-    someone parked behind carries ``"line":1`` at the end of its JSON (PARK adds it,
-    an acquire while a line exists sets it): only then does its release look at the line.
+    The fence is the server clock in microseconds when the lock was taken. A release
+    looks at the line (``K:q``) itself: while it is empty, nobody waits.
 ``K:q``
     the waiting line: a LIST of entry ids, first in line at the head.
 ``K:w``

@@ -43,10 +43,6 @@ if ARGV[8] == '1' and held and string.sub(held, 1, #ARGV[1] + 2) == '~' .. ARGV[
   return {5}
 end
 if not held and redis.call('EXISTS', LINE) == 0 then return {0} end
--- a holder (not a reservation) is flagged: its RELEASE must look at the line (see holding())
-if held and string.sub(held, 1, 1) ~= '~' and string.sub(held, -10) ~= ',"line":1}' then
-  redis.call('SET', LOCK, string.sub(held, 1, -2) .. ',"line":1}', 'KEEPTTL')
-end
 local now = clock()
 if ARGV[10] == '1' then
   local last = redis.call('LINDEX', LINE, -1)

@@ -37,12 +37,6 @@ local function gone(e)
   redis.call('ZREMRANGEBYSCORE', LOCK .. ':g', '-inf', now - 600000)
   redis.call('PEXPIRE', LOCK .. ':g', 600000)
 end
--- A holder's value. While a waiting line exists it carries ',"line":1' in its metadata
--- (PARK adds it to the holder it parks behind), so RELEASE looks at the line only then.
-local function holding(token, fence, meta)
-  if redis.call('EXISTS', LINE) == 1 then meta = string.sub(meta, 1, -2) .. ',"line":1}' end
-  return token .. ' ' .. fence .. ' ' .. meta
-end
 -- kind, state, deadline, ttl, owner of a waiter's record
 local function parse(rec)
   local kind, state, deadline, ttl, owner = string.match(rec, '^(.)(.)\\n(%d+)\\n(%d+)\\n([^\\n]*)\\n')
@@ -140,7 +134,7 @@ if held then
     local fence = string.match(held, '^%S+ (%d+)')
     -- ours since the lost reply. Taken back under the NEW token: a second message
     -- carrying the old one (a redelivery of the re-send) finds it held
-    redis.call('SET', LOCK, holding(ARGV[1], fence, ARGV[2]), 'PX', ARGV[3])
+    redis.call('SET', LOCK, ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3])
     return {1, fence}
   end
   if entry ~= '' and redis.call('HEXISTS', WAITERS, entry) == 0 then return {3} end
@@ -179,7 +173,7 @@ if entry ~= '' then
   end
 end
 local fence = fence_of(t)
-redis.call('SET', LOCK, holding(ARGV[1], fence, ARGV[2]), 'PX', ARGV[3])
+redis.call('SET', LOCK, ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3])
 return {1, fence}
 """
 

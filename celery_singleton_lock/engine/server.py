@@ -236,7 +236,7 @@ class LockServer(ScriptClient):
         if lock.pid != os.getpid():
             return Released(Release.NOT_HERE)
         if lock.fresh and not (remember or again or cooldown):  # the lightest way
-            if self.run(fresh_path.RELEASE_FRESH, (lock.key,), (lock.prefix,)) == 1:
+            if self.run(fresh_path.RELEASE_FRESH, (lock.key, layout.line(lock.key)), (lock.prefix,)) == 1:
                 lock.released = True
                 return Released(Release.DELETED)  # (else: a line, or gone)
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",

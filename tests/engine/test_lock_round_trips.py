@@ -117,8 +117,8 @@ def test_one_command_per_operation(any_redis):
         assert [cmd[0] for cmd in cmds] == ["EVALSHA"], (op, cmds)
     # declared: cluster-safe. A fresh acquire (the small script) touches the lock and its line only
     assert ops["acquire"][0][2:5] == ["2", lock.key, lock.key + ":q"]
-    # its release: RELEASE_FRESH, one key and one argument (nobody parked behind it)
-    assert ops["release"][0][2:] == ["1", lock.key, lock.token + " "]
+    # its release: RELEASE_FRESH, the lock and its line, and one argument (nobody in line)
+    assert ops["release"][0][2:] == ["2", lock.key, lock.key + ":q", lock.token + " "]
     assert ops["renew"][0][2:5] == ["1", lock.key, lock.token + " "]
 
 
