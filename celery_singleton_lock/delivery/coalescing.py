@@ -34,10 +34,10 @@ from celery import signature
 from celery.app.task import Context
 from celery.signals import task_failure
 from celery.states import FAILURE, REVOKED, SUCCESS
-from kombu.serialization import loads
 
-from ..engine import dedupe, kept, layout
+from ..engine import dedupe, kept
 from ..exceptions import LockError
+from .releasing import unpack_value
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -50,7 +50,7 @@ def take(server: Any, request: Any, key: str) -> list[dict[str, Any]]:
     it ends; the latest is last."""
     if not server.supports_merge:
         return []
-    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, request.id)]
+    calls = [unpack_value(m) for m in dedupe.merged_calls(server, key, request.id)]
     if calls:
         request.__dict__[MERGED] = (server, key, request.id, calls)
     return calls
@@ -72,7 +72,7 @@ def settle(task: Any, request: Any, state: str | None, value: Any = None, exc: B
         return
     server, key, owner, taken = merged
     try:  # read again: a call revoked while this ran has left them
-        calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
+        calls = [unpack_value(m) for m in dedupe.merged_calls(server, key, owner)]
     except LockError as exc:  # the run covered the calls it took at its start: those are settled
         logger.warning("lock %s: the merged calls of %s could not be read again (%s); those taken at its start "
                        "are settled", key, owner, exc)
@@ -107,7 +107,7 @@ def fail_all(task: Any, server: Any, key: str, owner: str, exc: BaseException) -
     failed, they are not failed again (errbacks once) if forgetting them fails: they expire."""
     if not server.supports_merge:
         return
-    calls = [_unpack(m) for m in dedupe.merged_calls(server, key, owner)]
+    calls = [unpack_value(m) for m in dedupe.merged_calls(server, key, owner)]
     for call in calls:
         _fail(task, call, exc)
     if calls:
@@ -123,7 +123,7 @@ def send_again(app: Any, server: Any, key: str, owner: str, request_id: str = ""
     sent again with its ``request_id`` (the same worker's look, tried again) is answered as it was."""
     if not server.supports_merge:
         return 0
-    calls = [_unpack(m) for m in dedupe.take_merged(server, key, owner, request_id)]
+    calls = [unpack_value(m) for m in dedupe.take_merged(server, key, owner, request_id)]
     for call in calls:
         app.signature(call).apply_async()
     return len(calls)
@@ -183,12 +183,6 @@ def _context(task: Any, call: dict[str, Any]) -> Context:
         root_id=options.get("root_id"), parent_id=options.get("parent_id"), reply_to=options.get("reply_to"),
         headers=options.get("headers"), delivery_info={}, ignore_result=task.ignore_result,
     )
-
-
-def _unpack(packed: bytes) -> dict[str, Any]:
-    content_type, encoding, data = layout.split_message(packed)
-    call: dict[str, Any] = loads(data, content_type, encoding, accept=[content_type])
-    return call
 
 
 def _id(call: dict[str, Any]) -> str:

@@ -24,18 +24,14 @@ from dataclasses import replace
 from typing import Any
 
 from celery import Celery
-from kombu.serialization import dumps, loads
 
-from ..engine import layout
 from ..engine import sweeper as sweeping
 from ..engine.backend import HandoffSender
 from ..engine.lock import Handoff
-from . import turns
+from . import releasing, turns
 from .headers import Turn, turn_of
 
 logger = logging.getLogger("celery_singleton_lock")
-
-
 
 
 def pack(task: Any, request: Any, args: Any, kwargs: Any) -> bytes:
@@ -56,15 +52,7 @@ def pack(task: Any, request: Any, args: Any, kwargs: Any) -> bytes:
             sig.options.pop("routing_key", None)
             sig.options["queue"] = queue
     sig.options["headers"] = {**(sig.options.get("headers") or {}), **ours}
-    content_type, encoding, data = dumps(dict(sig), serializer=task.serializer)
-    if isinstance(data, str):
-        data = data.encode("utf-8")
-    return f"{content_type}\n{encoding}\n".encode() + bytes(data)
-
-
-def first_parked_at(request: Any) -> float | None:
-    """When this call first parked (epoch seconds), if this delivery is a copy of a waiting task."""
-    return turn_of(request.headers).parked_at
+    return releasing.packed(dict(sig), task.serializer)
 
 
 _apps: dict[str, Celery] = {}
@@ -106,8 +94,7 @@ def send(server: Any, handoff: Handoff) -> bool:
 
     False when no app of this process knows the task: then a sweeper elsewhere sends it.
     """
-    content_type, encoding, data = layout.split_message(handoff.message)
-    body = loads(data, content_type, encoding, accept=[content_type])
+    body = releasing.unpack_value(handoff.message)
     app = _apps.get(body.get("task"))
     if app is None:
         logger.info("lock %s: no app in this process sends task %s; left for a sweeper", handoff.key, body.get("task"))

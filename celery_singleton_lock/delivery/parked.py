@@ -16,8 +16,9 @@ from ..engine.backend import LockBackend
 from ..exceptions import LockWaitTimeout
 from ..results import WAITING
 from ..signals import duplicate_skipped
-from . import config, handoff
+from . import config
 from .compat import get_actual_ignore_result
+from .headers import turn_of
 
 logger = logging.getLogger("celery_singleton_lock")
 
@@ -26,7 +27,7 @@ def wait_left(request: Any, settings: config.LockSettings, server: LockBackend, 
     """How long this delivery may still wait in line: ``lock_max_wait``, counted from a waiting task's
     FIRST park; none left: :class:`LockWaitTimeout` (its old place, if it still has one, goes)."""
     wait = settings.max_wait
-    parked_at = handoff.first_parked_at(request)
+    parked_at = turn_of(request.headers).parked_at  # (this delivery is a copy of a waiting call)
     if parked_at is not None:
         wait -= time.time() - parked_at
         if wait <= 0:

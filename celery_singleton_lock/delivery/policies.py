@@ -40,7 +40,6 @@ from .headers import MARKED, Turn, resend_of, turn_of
 logger = logging.getLogger("celery_singleton_lock")
 
 
-
 def has_line(server: LockBackend, request: Any) -> bool:
     """Whether this delivery can wait in ``server``'s line: wherever the server keeps one, except an
     eager call on a backend with lines of its own (etcd), which has no way to block in one: it
@@ -292,10 +291,10 @@ def _eager_budget(settings: config.LockSettings, request: Any, delay: float, exc
     since = request.__dict__.setdefault("_singleton_lock_unreachable_since", time.monotonic())
     if time.monotonic() + delay - since <= budget:
         return
-    if isinstance(exc, LockBackendUnavailable):
-        raise LockBackendUnavailable(exc.url, f"{exc.reason}; an eager run gives up after "
-                                              f"singleton_lock_eager_timeout={budget:g}s") from exc
-    raise exc
+    if not isinstance(exc, LockBackendUnavailable):  # (every caller's is: it waits for an unreachable Redis)
+        raise exc
+    raise LockBackendUnavailable(exc.url, f"{exc.reason}; an eager run gives up after "
+                                          f"singleton_lock_eager_timeout={budget:g}s") from exc
 
 
 _EAGER = "_singleton_lock_resent_"

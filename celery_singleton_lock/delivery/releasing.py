@@ -51,7 +51,6 @@ def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remem
     return None
 
 
-
 def at_end(task: Any, request: Any, lock: Lock, state: str | None, value: Any) -> None:
     """The execution of ``request`` ended in ``state``: release its lock (with the done record an
     acks_late success needs, and the task's cooldown), and report what Redis found."""
@@ -93,22 +92,26 @@ def may_be_redelivered(task: Task, request: Any) -> bool:
     return bool(getattr(request, "acks_late", None) or task.acks_late or task.reject_on_worker_lost)
 
 
-
-
 def pack_value(task: Task, value: Any) -> bytes:
     """What the body returned, serialised with the task's result serializer, for the done record
     (b"" when it cannot be: then a redelivery that finds no stored result is only dropped)."""
     try:
-        serializer = task.backend.serializer or task.app.conf.result_serializer
-        content_type, encoding, data = dumps(value, serializer=serializer)
+        return packed(value, task.backend.serializer or task.app.conf.result_serializer)
     except Exception as exc:
         logger.warning("task %s: its return value cannot be kept with its done record (%r)", task.name, exc)
         return b""
+
+
+def packed(value: Any, serializer: str) -> bytes:
+    """``value`` as Redis keeps it (a parked message, a merged call, a done record's value):
+    ``"<content type>\n<encoding>\n<data>"``, serialised with ``serializer``."""
+    content_type, encoding, data = dumps(value, serializer=serializer)
     if isinstance(data, str):
         data = data.encode("utf-8")
     return f"{content_type}\n{encoding}\n".encode() + bytes(data)
 
 
 def unpack_value(raw: bytes) -> Any:
+    """What :func:`packed` made, read back."""
     content_type, encoding, data = layout.split_message(raw)
     return loads(data, content_type, encoding, accept=[content_type])

@@ -183,7 +183,6 @@ def has_locked_tasks(app: Any) -> bool:
     return any(getattr(task, "singleton_lock", False) is True for task in list(app.tasks.values()))
 
 
-
 # -- a turn goes to the front of the prefork worker's own buffer ---------------------------------------
 
 

@@ -14,8 +14,8 @@ enough for the client's second send, which follows at once on a new connection.
 
 The scripts that are safe to send twice as they are (:data:`AS_IS`) are not wrapped: the renewal
 only extends a TTL its token still holds; the fence is drawn once and then read; a fresh acquire
-(ACQUIRE_FRESH, and the plain ``SET NX GET`` of :mod:`.fresh`) finds the key held by its own token
-and answers "taken". So an uncontended task leaves nothing behind, and pays nothing for the rule.
+(ACQUIRE_FRESH, :mod:`.fresh`) finds the key held by its own token and answers "taken". So an
+uncontended task leaves nothing behind, and pays nothing for the rule.
 The release of an uncontended lock (RELEASE_FRESH) is never sent twice by the client: the task's
 release tries again with ``again``, a full RELEASE that knows its first try (see releasing).
 """

@@ -8,7 +8,7 @@ task's message is published again; plain code blocked in :func:`wait_turn` is
 woken through its own wake-up list). That is Redisson's fair lock and etcd's
 revision-ordered mutex, on one Redis key slot.
 
-Two things keep a line moving when nobody releases:
+Three things keep a line moving when nobody releases:
 
 * a holder that died (SIGKILL, a lost host) releases nothing: its lock
   expires within its TTL, and the :class:`Sweeper` that runs in every worker
@@ -43,7 +43,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, cast
@@ -82,7 +82,7 @@ class Park(Enum):
     TOOK_ITS_TURN = 3
     """A broker redelivery whose entry left the line for good already: its turn was taken."""
     MERGED = 4
-    """Merged (``merge``) into the calls of the waiter last in line, named by ``into_entry``/``into_owner``."""
+    """Merged (``merge``) into the calls of the waiter last in line, named by ``into_owner``."""
     CLAIM = 5
     """The key was reserved for this entry meanwhile (its own copy, ``again``): claim it rather than park."""
 
@@ -94,7 +94,6 @@ class Parked:
     found: Park
     place: int = 0
     """The place in line, 1 = next (PARKED and ALREADY; 0 out of line)."""
-    into_entry: str = ""
     into_owner: str = ""
 
 
@@ -194,7 +193,8 @@ def park(
     )
     found = Park(int(reply[0]))
     if found is Park.MERGED:
-        return Parked(found, 0, _text(reply[1]), _text(reply[2]))
+        owner = reply[2]  # (reply[1]: the waiter's entry)
+        return Parked(found, 0, into_owner=owner.decode() if isinstance(owner, bytes) else owner)
     return Parked(found, int(reply[1]) if found in (Park.PARKED, Park.ALREADY) else 0)
 
 
@@ -358,9 +358,3 @@ def _wait_step(server: LockServer, name: str, ttl: float, owner_id: str | None, 
         raise server.error(exc, name) from exc
     return None
 
-
-__all__: Sequence[str] = ["park", "leave", "sweep", "line", "index_key", "announce", "wait_turn"]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -49,7 +49,9 @@ class Sweeper:
         self._parked: dict[tuple[LockServer, str, str], _Parked] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.sweepable: Callable[[str], bool] = _any_key
+        # every key by default: a process with no Celery app sends nothing (its plain waiters are woken
+        # by the scripts themselves); a worker narrows it to the keys whose tasks it can send
+        self.sweepable: Callable[[str], bool] = lambda key: True
         """Whether this process may sweep lock ``key``. A sweep that times a waiter out removes it and
         leaves its "waited too long" copy to this process to send: a process that cannot send that
         task (no app of it here) would drop it. The Celery side sets this (handoff.knows_key)."""
@@ -147,7 +149,7 @@ class Sweeper:
                 return made
 
     def _check_epoch(self, server: LockBackend, index: str, epoch: str) -> None:
-        """A new epoch means the lock Redis lost its data: say so, and look at the parked messages now."""
+        """A new epoch means the lock Redis lost its data: say so (the parked messages are looked at as ever)."""
         with self._cond:
             seen = self._watched.get((server, index))
             self._watched[(server, index)] = epoch
@@ -239,8 +241,3 @@ def _forget_parent_sweeper() -> None:
 
 os.register_at_fork(after_in_child=_forget_parent_sweeper)
 
-
-def _any_key(key: str) -> bool:
-    """The default: every key (a process with no Celery app sends nothing; its plain waiters are woken
-    by the scripts themselves)."""
-    return True
