@@ -11,10 +11,11 @@ Two records beside a lock, in its hash slot (see :mod:`.layout`):
   dead-lettered, never consumed) leaves the mark until its expiry, the one bound on
   how long it can block publishes; the lock taken at execution still guards anything
   published past it.
-* **Merged calls** ``K:m:<owner>``: ``on_duplicate="coalesce"`` merges a duplicate into
-  the waiter last in line (``line.park(..., merge=True)``, atomic with the look at
-  the line), instead of adding a run. The waiter's run reads them when it starts
-  (:func:`merged_calls`) and deletes them once it has settled them (:func:`drop_merged`).
+* **Merged calls** ``K:m:<owner>`` (and ``K:mo:<task id>``, where each went):
+  ``on_duplicate="coalesce"`` merges a duplicate into the waiter last in line
+  (``line.park(..., merge=True)``, atomic with the look at the line), instead of adding a run.
+  The waiter's run reads them when it starts (:func:`merged_calls`) and deletes them once it
+  has settled them (:func:`drop_merged`).
 """
 
 from __future__ import annotations
@@ -60,25 +61,20 @@ return 0
 """
 
 TAKE_MERGED = """
--- KEYS[1] the merged task ids of a waiter, KEYS[2] their messages, KEYS[3] the lock; ARGV[1] ''
--- to read them (the messages, oldest first), '1' to delete them (settled: a redelivery of one
+-- KEYS[1] the calls merged into a waiter (each "<task id>\\n<message>", oldest first), KEYS[2] the
+-- lock; ARGV[1] '' to read them (the messages), '1' to delete them (settled: a redelivery of one
 -- stays merged until LOCK:mo:<id> expires), '2' to delete them and where they went (sent again),
 -- '3' to read them and delete them and where they went, in one call (taken, to be sent again: two
 -- workers that both take them get them once between them).
-local ids = redis.call('LRANGE', KEYS[1], 0, -1)
-local function forget(sent_again)
-  if sent_again then
-    for _, id in ipairs(ids) do redis.call('DEL', KEYS[3] .. ':mo:' .. id) end
-  end
-  return redis.call('DEL', KEYS[1], KEYS[2])
-end
-if ARGV[1] == '1' or ARGV[1] == '2' then return forget(ARGV[1] == '2') end
-if #ids == 0 then return {} end
+local calls = redis.call('LRANGE', KEYS[1], 0, -1)
 local out = {}
-for _, m in ipairs(redis.call('HMGET', KEYS[2], unpack(ids))) do
-  if m then out[#out + 1] = m end                               -- (one revoked since: gone)
+for i, call in ipairs(calls) do
+  local at = string.find(call, '\\n', 1, true)
+  if ARGV[1] == '2' or ARGV[1] == '3' then redis.call('DEL', KEYS[2] .. ':mo:' .. string.sub(call, 1, at - 1)) end
+  out[i] = string.sub(call, at + 1)
 end
-if ARGV[1] == '3' then forget(true) end
+if ARGV[1] ~= '' then redis.call('DEL', KEYS[1]) end
+if ARGV[1] == '1' or ARGV[1] == '2' then return #calls end
 return out
 """
 
@@ -123,7 +119,7 @@ def unmark(server: LockServer, name: str, task_id: str) -> bool:
 def merged_calls(server: LockServer, name: str, owner: str) -> list[bytes]:
     """The parked messages of the calls merged into waiting task ``owner``, oldest first."""
     key = slot_safe(name)
-    return [bytes(m) for m in server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("",))]
+    return [bytes(m) for m in server.run(TAKE_MERGED, (layout.merged(key, owner), key), ("",))]
 
 
 def take_merged(server: LockServer, name: str, owner: str, request_id: str = "") -> list[bytes]:
@@ -131,7 +127,7 @@ def take_merged(server: LockServer, name: str, owner: str, request_id: str = "")
     (with where they went): for sending them again, by whichever process takes them first.
     ``request_id``: see :func:`.kept.tried` (a take whose answer was lost, asked again, answers as it did)."""
     key = slot_safe(name)
-    return [bytes(m) for m in server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("3",),
+    return [bytes(m) for m in server.run(TAKE_MERGED, (layout.merged(key, owner), key), ("3",),
                                          request_id=request_id)]
 
 
@@ -140,7 +136,7 @@ def drop_merged(server: LockServer, name: str, owner: str, *, sent_again: bool =
     published again as they were, and a copy of one must not find itself merged still.
     ``request_id``: see :func:`.kept.tried`."""
     key = slot_safe(name)
-    server.run(TAKE_MERGED, (*layout.merged(key, owner), key), ("2" if sent_again else "1",), request_id=request_id)
+    server.run(TAKE_MERGED, (layout.merged(key, owner), key), ("2" if sent_again else "1",), request_id=request_id)
 
 # Each call of these is safe to send twice: its reply is kept under its request id (engine/kept.py).
 PUBLISH, UNMARK, TAKE_MERGED = map(kept, (PUBLISH, UNMARK, TAKE_MERGED))

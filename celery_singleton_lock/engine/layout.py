@@ -44,11 +44,11 @@ client agrees on them.
     the publish mark (``lock_publish``): the id of the call published for ``K`` and not
     yet started, with a PX expiry (``lock_publish_ttl``): a message lost in the broker
     blocks publishes no longer than that.
-``K:m:<owner>``, ``K:mm:<owner>``, ``K:mo:<task id>``
+``K:m:<owner>``, ``K:mo:<task id>``
     the calls merged into waiting task ``owner`` (``on_duplicate="coalesce"``): a LIST of
-    their task ids, oldest first, and a HASH of their messages (each id once); the waiter's
-    run settles them, then deletes both. ``K:mo:<task id>`` names the waiter a call went
-    into, so a redelivery of it stays merged (and a revoke finds it).
+    ``"<task id>\\n<message>"``, oldest first; the waiter's run settles them, then deletes it.
+    ``K:mo:<task id>`` names the waiter a call went into, so a redelivery of it stays merged
+    (it joins once), and a revoke finds it.
 
 A cooldown (``lock_cooldown``) keeps ``K`` as ``"= <fence> <json: owner, cooldown>"``
 with a PX expiry: ``=`` is no token, so nobody holds it, and the line waits for the
@@ -114,10 +114,10 @@ def publish_mark(key: str) -> str:
     return key + ":p"
 
 
-def merged(key: str, owner: str) -> tuple[str, str]:
-    """``K:m:<owner>`` and ``K:mm:<owner>``: the task ids merged into waiting task ``owner``
-    (``on_duplicate="coalesce"``), oldest first, and their messages by task id."""
-    return f"{key}:m:{owner}", f"{key}:mm:{owner}"
+def merged(key: str, owner: str) -> str:
+    """``K:m:<owner>``: the calls merged into waiting task ``owner`` (``on_duplicate="coalesce"``),
+    oldest first, each ``"<task id>\\n<message>"``."""
+    return f"{key}:m:{owner}"
 
 
 def merged_into(key: str, task_id: str) -> str:

@@ -31,9 +31,11 @@ REMOVE = scripts._HAND_OFF + """
 local held = redis.call('GET', LOCK) or ''
 local removed, reserved = 0, false
 local into = redis.call('GET', LOCK .. ':mo:' .. ARGV[1])
-if into and redis.call('HDEL', LOCK .. ':mm:' .. into, ARGV[1]) == 1 then
-  redis.call('LREM', LOCK .. ':m:' .. into, 0, ARGV[1])
-  removed = 1
+if into then                                                    -- a merged call: "<task id>\\n<message>"
+  local calls = LOCK .. ':m:' .. into
+  for _, call in ipairs(redis.call('LRANGE', calls, 0, -1)) do
+    if string.sub(call, 1, #ARGV[1] + 1) == ARGV[1] .. '\\n' then removed = redis.call('LREM', calls, 1, call) end
+  end
 end
 local flat = redis.call('HGETALL', WAITERS)
 for i = 1, #flat, 2 do

@@ -15,8 +15,8 @@ PARK = _KEYS + """
 -- ARGV[9] '1' for a broker redelivery: if the entry left for good (a tombstone),
 -- its turn was taken already and {3} is returned (nothing parked).
 -- ARGV[10] '1' to merge instead (on_duplicate="coalesce"): if the last in line is a parked task,
--- the call joins that waiter's merged calls (LOCK:m:<its owner>, once per task id; LOCK:mo:<task
--- id> says where it went) and {4, entry, owner} is returned.
+-- the call joins that waiter's merged calls (LOCK:m:<its owner>; LOCK:mo:<task id> says where it
+-- went, so it joins once) and {4, entry, owner} is returned.
 -- ARGV[11] ms the task waits in its worker slot ('0' none): state 'b', and LOCK:b:<entry> lives that
 -- long; a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message.
 -- Returns {0} when the key is free and nobody waits (take it instead), {5} when the key is reserved
@@ -50,13 +50,13 @@ if ARGV[10] == '1' then
   if rec then
     local kind, state, deadline, _, owner = parse(rec)
     if kind == 't' and state == 'p' and owner ~= ARGV[5] then  -- parked, its turn not come: merge into it
-      -- LOCK:m:<owner> the merged ids in order, LOCK:mm:<owner> their messages; each id once
-      local ids, msgs = LOCK .. ':m:' .. owner, LOCK .. ':mm:' .. owner
-      if redis.call('HSETNX', msgs, ARGV[5], ARGV[6]) == 1 then redis.call('RPUSH', ids, ARGV[5]) end
+      -- LOCK:m:<owner>: the merged calls in order, each "<task id>\\n<message>"
+      local calls = LOCK .. ':m:' .. owner
+      redis.call('RPUSH', calls, ARGV[5] .. '\\n' .. ARGV[6])
       -- kept past the waiter's deadline and any reservation of its turn (turn timeout)
       local keep = math.max(deadline - now, 0) + 600000
       redis.call('SET', LOCK .. ':mo:' .. ARGV[5], owner, 'PX', keep)
-      for _, k in ipairs({ids, msgs}) do redis.call('PEXPIRE', k, keep) end
+      redis.call('PEXPIRE', calls, keep)
       return {4, last, owner}
     end
   end

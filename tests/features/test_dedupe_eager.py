@@ -118,7 +118,7 @@ def test_merge_goes_into_a_parked_task_only(redis_server):
     assert first == queue.Parked(queue.Park.PARKED, 1)  # nobody to merge into: it parks
     merged = queue.park(server, key, queue.entry_for("w2"), kind="t", wait=10, ttl=5, owner_id="w2", message=b"2",
                         merge=True)
-    assert merged == queue.Parked(queue.Park.MERGED, 0, queue.entry_for("w1"), "w1")
+    assert merged == queue.Parked(queue.Park.MERGED, 0, "w1")
     assert dedupe.merged_calls(server, key, merged.into_owner) == [b"2"]
     assert queue.line(server, key) == ["w1"]
     dedupe.drop_merged(server, key, merged.into_owner)

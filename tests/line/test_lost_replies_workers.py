@@ -282,7 +282,7 @@ def test_a_coalescing_run_whose_merged_calls_cannot_be_read_again_settles_or_sen
         env.journal.sadd("ignore-run", waiter.id)
     wait_until(lambda: any(s["id"] == waiter.id for s in starts(env, k)), TIMEOUT, what="the waiter's run")
     # the waiter's merged-call records name it: settling reads them (twice), then forgets them (twice)
-    take = layout.merged(task.lock_key_for((k,), {}), waiter.id)[0].encode()
+    take = layout.merged(task.lock_key_for((k,), {}), waiter.id).encode()
     env.proxy.refuse(take, 4)
     later = task.delay(k, 1.0, "later")  # parks: the key is held when a call comes again
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
