@@ -66,14 +66,20 @@ TAKE_MERGED = """
 -- stays merged until LOCK:mo:<id> expires), '2' to delete them and where they went (sent again),
 -- '3' to read them and delete them and where they went, in one call (taken, to be sent again: two
 -- workers that both take them get them once between them).
+-- (0.2 kept a call's id alone there, its message in LOCK:mm:<owner>: still read, so that calls
+-- merged before an upgrade are not lost)
+local before = KEYS[2] .. ':mm:' .. string.sub(KEYS[1], #KEYS[2] + 4)
 local calls = redis.call('LRANGE', KEYS[1], 0, -1)
 local out = {}
-for i, call in ipairs(calls) do
+for _, call in ipairs(calls) do
   local at = string.find(call, '\\n', 1, true)
-  if ARGV[1] == '2' or ARGV[1] == '3' then redis.call('DEL', KEYS[2] .. ':mo:' .. string.sub(call, 1, at - 1)) end
-  out[i] = string.sub(call, at + 1)
+  local id, message = call, nil
+  if at then id, message = string.sub(call, 1, at - 1), string.sub(call, at + 1)
+  else message = redis.call('HGET', before, call) end
+  if ARGV[1] == '2' or ARGV[1] == '3' then redis.call('DEL', KEYS[2] .. ':mo:' .. id) end
+  if message then out[#out + 1] = message end
 end
-if ARGV[1] ~= '' then redis.call('DEL', KEYS[1]) end
+if ARGV[1] ~= '' then redis.call('DEL', KEYS[1], before) end
 if ARGV[1] == '1' or ARGV[1] == '2' then return #calls end
 return out
 """

@@ -34,7 +34,9 @@ local into = redis.call('GET', LOCK .. ':mo:' .. ARGV[1])
 if into then                                                    -- a merged call: "<task id>\\n<message>"
   local calls = LOCK .. ':m:' .. into
   for _, call in ipairs(redis.call('LRANGE', calls, 0, -1)) do
-    if string.sub(call, 1, #ARGV[1] + 1) == ARGV[1] .. '\\n' then removed = redis.call('LREM', calls, 1, call) end
+    if string.sub(call, 1, #ARGV[1] + 1) == ARGV[1] .. '\\n' or call == ARGV[1] then  -- (0.2: the id alone)
+      removed = redis.call('LREM', calls, 1, call)
+    end
   end
 end
 local flat = redis.call('HGETALL', WAITERS)

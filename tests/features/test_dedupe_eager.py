@@ -11,7 +11,7 @@ import pytest
 from _apps import celery_cli, make_app
 
 from celery_singleton_lock import LockedTask
-from celery_singleton_lock.engine import dedupe, layout
+from celery_singleton_lock.engine import dedupe, layout, line_ops
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.engine.lock import Holder
 from celery_singleton_lock.engine.server import LockServer
@@ -174,3 +174,25 @@ def test_publish_goes_unchecked_with_a_warning_when_the_lock_server_is_down(redi
     first, second = down.delay("a"), down.delay("a")
     assert first.id != second.id  # both published: the execution lock decides between them
     assert any("published unchecked" in r.getMessage() for r in caplog.records)
+
+
+def test_calls_merged_by_an_earlier_release_are_read_settled_and_revoked(redis_server):
+    """0.2 kept a merged call's id in ``K:m:<owner>`` and its message in ``K:mm:<owner>``; this release
+    keeps ``"<id>\\n<message>"`` in ``K:m:<owner>`` alone. Calls merged before an upgrade are still read
+    (in order, beside those merged after it), a revoke of one takes it out, and the take forgets both keys."""
+    server = LockServer.from_url(redis_server.url(2))
+    key = f"t:{{{uuid.uuid4().hex}}}"
+    server.acquire(key, 5, owner_id="holder")
+    queue.park(server, key, queue.entry_for("w1"), kind="t", wait=10, ttl=5, owner_id="w1", message=b"1", merge=True)
+    calls, before = layout.merged(key, "w1"), f"{key}:mm:w1"
+    for old in ("w2", "w3"):  # as 0.2 merged them
+        server.client.rpush(calls, old)
+        server.client.hset(before, old, old.encode())
+        server.client.set(layout.merged_into(key, old), "w1", px=60_000)
+    queue.park(server, key, queue.entry_for("w4"), kind="t", wait=10, ttl=5, owner_id="w4", message=b"w4", merge=True)
+    assert dedupe.merged_calls(server, key, "w1") == [b"w2", b"w3", b"w4"]
+    assert line_ops.remove(server, key, "w3")[0] == 1  # a revoke of a call merged before the upgrade
+    assert dedupe.take_merged(server, key, "w1") == [b"w2", b"w4"]
+    assert server.client.exists(calls, before) == 0
+    assert server.client.get(layout.merged_into(key, "w2")) is None  # taken to be sent again
+    server.close()
