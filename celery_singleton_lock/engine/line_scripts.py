@@ -17,8 +17,8 @@ PARK = _KEYS + """
 -- ARGV[10] '1' to merge instead (on_duplicate="coalesce"): if the last in line is a parked task,
 -- the call joins that waiter's merged calls (LOCK:m:<its owner>; LOCK:mo:<task id> says where it
 -- went, so it joins once) and {4, entry, owner} is returned.
--- ARGV[11] ms the task waits in its worker slot ('0' none): state 'b', and LOCK:b:<entry> lives that
--- long; a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message.
+-- ARGV[11] ms the task waits in its worker slot ('0' none): its mark LOCK:b:<entry> lives that long;
+-- a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message.
 -- Returns {0} when the key is free and nobody waits (take it instead), {5} when the key is reserved
 -- for this entry (its copy, ARGV[8]: claim it),
 -- {2, place (0: out of line, its copy on its way)} when the entry is parked
@@ -62,13 +62,11 @@ if ARGV[10] == '1' then
   end
 end
 local wait = tonumber(ARGV[3])
-local state = 'p'
 if (ARGV[11] or '0') ~= '0' then
-  state = 'b'
   redis.call('SET', LOCK .. ':b:' .. ARGV[1], '1', 'PX', ARGV[11])
   redis.call('DEL', LOCK .. ':wake:' .. ARGV[1])  -- (a wake-up left from an earlier hand-off is not this one's)
 end
-local rec = kind .. state .. '\\n' .. string.format('%.0f', now + wait) .. '\\n'
+local rec = kind .. 'p\\n' .. string.format('%.0f', now + wait) .. '\\n'
   .. ARGV[4] .. '\\n' .. ARGV[5] .. '\\n' .. ARGV[6]
 redis.call('HSET', WAITERS, ARGV[1], rec)
 redis.call('LREM', LINE, 1, ARGV[1])
@@ -145,17 +143,14 @@ UNBLOCK = _KEYS + """
 -- Returns 1 parked now (its message is sent when its turn comes), 2 it was woken: the key is reserved
 -- for it, claim it now, 0 its turn came as a message (or it left the line): this delivery ends;
 -- -1 no record and no tombstone (never parked, or lost with the data).
-redis.call('DEL', LOCK .. ':b:' .. ARGV[1])
-if redis.call('LPOP', LOCK .. ':wake:' .. ARGV[1]) then return 2 end
+redis.call('DEL', LOCK .. ':b:' .. ARGV[1], LOCK .. ':wake:' .. ARGV[1])
 local rec = redis.call('HGET', WAITERS, ARGV[1])
 if not rec then return redis.call('ZSCORE', LOCK .. ':g', ARGV[1]) and 0 or -1 end
-local state = string.sub(rec, 2, 2)
-if state == 'b' then
-  redis.call('HSET', WAITERS, ARGV[1], string.sub(rec, 1, 1) .. 'p' .. string.sub(rec, 3))
-  return 1
-end
-if state == 'w' then return 2 end
-return 0
+if string.sub(rec, 2, 2) ~= 'p' then return 0 end
+-- still parked: woken if the key is reserved for it (a hand-off reserves it and sends nothing)
+local held = redis.call('GET', LOCK)
+if held and string.sub(held, 1, #ARGV[1] + 2) == '~' .. ARGV[1] .. ' ' then return 2 end
+return 1
 """
 
 CONFIRM = """

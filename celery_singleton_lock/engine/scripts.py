@@ -75,10 +75,10 @@ local function hand_off(now, drop_owner, out)
     else
       local reserved = cjson.encode({owner = owner, reserved = true, by = handed_by})
       redis.call('SET', LOCK, '~' .. e .. ' 0 ' .. reserved, 'PX', ttl)
-      if state == 'b' and redis.call('EXISTS', LOCK .. ':b:' .. e) == 1 then
-        -- a task still waiting in its worker slot: woken there to claim the key reserved for it
-        -- (nothing to send; if it never claims, the reservation runs out and SWEEP sends it)
-        redis.call('HSET', WAITERS, e, kind .. 'w' .. string.sub(rec, 3))
+      if state == 'p' and redis.call('DEL', LOCK .. ':b:' .. e) == 1 then
+        -- a task still waiting in its worker slot (its mark lived): woken there to claim the key
+        -- reserved for it, its mark gone (nothing to send; if it never claims, the reservation runs
+        -- out and SWEEP sends its message, as for any parked task)
         redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
         redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
       elseif state == 'n' then
@@ -86,9 +86,6 @@ local function hand_off(now, drop_owner, out)
         redis.call('HSET', WAITERS, e, kind .. 'c' .. string.sub(rec, 3))
       else
         redis.call('HSET', WAITERS, e, kind .. 'h' .. string.sub(rec, 3))
-        -- (woken before and never claimed: it is no longer taken to wait in its slot, so the claim of
-        -- the message sent now leaves a tombstone, and a late claim from the slot finds the entry gone)
-        if state == 'w' then redis.call('DEL', LOCK .. ':b:' .. e) end
         if kind == 'p' then                                     -- plain code, blocked on its wake-up list
           redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
           redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
@@ -100,7 +97,7 @@ local function hand_off(now, drop_owner, out)
         -- turn in a worker slot, woken there by the next release rather than sent by it
         local n = redis.call('LINDEX', LINE, 1)
         local nrec = n and redis.call('HGET', WAITERS, n)
-        if nrec and string.sub(nrec, 1, 2) == 'tp' then
+        if nrec and string.sub(nrec, 1, 2) == 'tp' and redis.call('EXISTS', LOCK .. ':b:' .. n) == 0 then
           redis.call('HSET', WAITERS, n, 'tn' .. string.sub(nrec, 3))
           out[#out + 1] = {'next', n, nrec}
         end
@@ -199,7 +196,7 @@ if held then
       -- our first try ran and handed the key on, its reply lost: it was ours, and
       -- the waiter it was handed to is sent now rather than after the reservation
       local rec = redis.call('HGET', WAITERS, e)
-      if rec and string.sub(rec, 2, 2) == 'h' then return {1, {'run', e, rec}} end  -- ('w': woken, not sent)
+      if rec and string.sub(rec, 2, 2) == 'h' then return {1, {'run', e, rec}} end  -- ('p': woken, not sent)
       return {1}
     end
     local cool = string.match(held, '^= %d+ (.*)$')

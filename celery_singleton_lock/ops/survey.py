@@ -20,7 +20,6 @@ _COMPANIONS = re.compile(r"^(?P<lock>.+:\{[^{}]+\}):(?:q|w|d|g|p|d:.*|wake:.*|b:
 _LOCK = re.compile(r"^(?P<task>[^{}]+):\{[^{}]+\}$")
 KINDS = {"t": "task", "s": "redelivered copy", "p": "plain code"}
 STATES = {"p": "parked", "h": "handed the key (its message not yet confirmed sent)", "c": "handed the key, sent",
-          "b": "waiting in its worker slot", "w": "woken in its worker slot (the key is reserved for it)",
           "n": "sent ahead of its turn (to wait for it in a worker slot)"}
 
 

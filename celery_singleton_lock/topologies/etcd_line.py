@@ -375,10 +375,9 @@ class EtcdLine:
         return out + self.hand_on(key)
 
     def remove(self, owner_id: str, request_id: str = "") -> list[str]:
-        """Take task ``owner_id`` out of every line (a revoke): the keys it left. The tombstones it leaves
-        name ``request_id``, so a look with the same id (tried again after a reply was lost, or another
-        worker's: every worker's look of one revoke has the same id) finds the keys an earlier try left
-        (their waiters are gone from the lines by then), and moves them on."""
+        """Take task ``owner_id`` out of every line (a revoke): the keys it left. Its tombstones name
+        ``request_id``, so a look with that id (tried again after a lost reply, or another worker's: the
+        looks of one revoke share it) finds the keys an earlier try left, and moves them on."""
         left = self._left_by(request_id) if request_id else []
         for key in left:
             self.server.dispatch(self.hand_on(key))  # (the lost try's own hand-on may not have run)

@@ -44,10 +44,11 @@ def test_a_release_wakes_a_slot_waiter_and_sends_nothing(server):
     key = _key()
     holder = server.acquire(key, 5, owner_id="holder")
     entry = _park(server, key, "w1", block=5.0)
-    assert _state(server, key, entry) == "b"
+    assert _state(server, key, entry) == "p" and server.client.exists(layout.blocking(key, entry))  # in its slot
     released = server.release(holder)
     assert released.status is Release.DELETED and released.handoffs == ()  # no message to send
-    assert _state(server, key, entry) == "w"
+    assert _state(server, key, entry) == "p" and not server.client.exists(layout.blocking(key, entry))
+    assert server.holder(key).reserved  # woken: the key is reserved for it
     assert queue.wait_in_slot(server, key, entry, 1.0) is queue.Slot.WOKEN
     got = server.acquire(key, 5, owner_id="w1", entry=entry)
     assert isinstance(got, Lock)
@@ -198,10 +199,9 @@ def test_a_woken_waiter_that_never_claims_is_sent_its_turn_when_the_reservation_
     entry = _park(server, key, "w1", block=0.05)
     server.client.set(key, server.client.get(key), px=50)  # the holder's lock runs out soon
     assert server.release(holder).status in (Release.GONE, Release.DELETED)
-    server.client.delete(layout.blocking(key, entry))
-    if _state(server, key, entry) != "w":  # (the holder's lock ran out first: a sweep hands it on)
+    if server.client.exists(layout.blocking(key, entry)):  # (the holder's lock ran out first: a sweep hands it on)
         queue.sweep(server, key)
-    assert _state(server, key, entry) in ("w", "h")
+    assert _state(server, key, entry) in ("p", "h")  # woken (p, reserved for it), or sent (h)
     server.client.pexpire(key, 1)  # the reservation runs out
     deadline = time.monotonic() + 5
     while server.client.exists(key) and time.monotonic() < deadline:

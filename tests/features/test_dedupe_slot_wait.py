@@ -81,7 +81,7 @@ def test_a_slot_waiter_killed_while_it_waits_runs_in_its_turn_from_its_parked_me
     locks = env.server.client(2)
 
     def waiting_in_slot():
-        return any(layout.Waiter.parse(r).state == "b" for r in locks.hvals(layout.waiters(lock_key)))
+        return any(locks.exists(layout.blocking(lock_key, e.decode())) for e in locks.hkeys(layout.waiters(lock_key)))
 
     wait_until(waiting_in_slot, TIMEOUT, what="the duplicate to wait in its worker slot")
 
@@ -109,7 +109,8 @@ def test_a_slot_waiter_woken_while_stopped_past_the_ttl_gets_its_turn_as_a_messa
     locks = env.server.client(2)
 
     def in_slot(count):
-        return sum(layout.Waiter.parse(r).state == "b" for r in locks.hvals(layout.waiters(lock_key))) >= count
+        entries = locks.hkeys(layout.waiters(lock_key))
+        return sum(locks.exists(layout.blocking(lock_key, e.decode())) for e in entries) >= count
 
     first = env.in_slot_long.delay(key, 0.0, "first")
     wait_until(lambda: in_slot(1), TIMEOUT, what="the first duplicate to wait in its worker slot")

@@ -16,11 +16,12 @@ QUIET = 2.0  # after the last expected run: long enough for a late twin (a re-se
 
 
 def in_slot(env, task, key, count=1):
-    """At least ``count`` entries of ``key``'s line wait in a worker slot (state 'b')."""
+    """At least ``count`` entries of ``key``'s line wait in a worker slot (their slot mark lives)."""
     lock_key = task.lock_key_for((key,), {})
     client = env.locks.client(2)
     try:
-        return sum(layout.Waiter.parse(r).state == "b" for r in client.hvals(layout.waiters(lock_key))) >= count
+        entries = client.hkeys(layout.waiters(lock_key))
+        return sum(client.exists(layout.blocking(lock_key, e.decode())) for e in entries) >= count
     finally:
         client.close()
 

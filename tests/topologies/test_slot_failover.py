@@ -79,11 +79,12 @@ def _entries(env, kind: str, key: str) -> list[dict]:
 
 
 def _in_slot(env, key: str, count: int) -> bool:
-    """At least ``count`` entries of ``key``'s line wait in a worker slot (state 'b'), on the master."""
+    """At least ``count`` entries of ``key``'s line wait in a worker slot (their mark lives), on the master."""
     lock_key = env.app.slot_long.lock_key_for((key,), {})
     try:
         with env.dep.master.client(LOCK_DB) as c:
-            return sum(layout.Waiter.parse(r).state == "b" for r in c.hvals(layout.waiters(lock_key))) >= count
+            entries = c.hkeys(layout.waiters(lock_key))
+            return sum(c.exists(layout.blocking(lock_key, e.decode())) for e in entries) >= count
     except (redis.RedisError, StopIteration):
         return False
 
