@@ -8,6 +8,7 @@ refused.
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any, cast
 
 from celery import Task
@@ -29,15 +30,17 @@ logger = logging.getLogger("celery_singleton_lock")
 def release(lock: Lock, settings: config.LockSettings, *, succeeded: bool, remember: float,
             value: bytes = b"", retries: int = 0, cooldown: float = 0.0, presend: float = 0.0) -> Release | None:
     """Release with a short timeout, twice at most; what it found (REFUSED too), None if
-    Redis never answered. A retry after a timed-out try that did execute finds the key gone, or handed by
-    that try to the next waiter (RELEASE knows its own hand-off): both count as deleted, and a waiter
-    that try handed the key to is sent by the retry, not one reservation later."""
+    Redis never answered. The retry carries the first try's request id: a first try that ran and lost its
+    reply answers it as it would have (its hand-offs are sent now: the next waiter, one sent ahead, those
+    timed out). A first try of the fresh path keeps no reply: the retry finds the key gone, or handed by
+    that try (RELEASE knows its own hand-off), and counts it deleted."""
     server = lock.server.with_timeout(settings.release_timeout)  # a stalled Redis must not hold the task
+    request_id = secrets.token_hex(8)  # one for both tries: a first try that ran answers the second
     for attempt in (1, 2):
         try:
             status = server.release(lock, succeeded=succeeded, remember=remember, value=value,
                                     again=attempt == 2, retries=retries, cooldown=cooldown,
-                                    presend=presend).status
+                                    presend=presend, request_id=request_id).status
             return Release.DELETED if status is Release.GONE and attempt == 2 else status
         except LockBackendUnavailable as exc:
             logger.warning("releasing lock %s failed (try %d of 2): %s", lock.key, attempt, exc)

@@ -214,7 +214,8 @@ class LockServer(ScriptClient):
             pass  # it expires within its ttl
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
-                again: bool = False, retries: int = 0, cooldown: float = 0.0, presend: float = 0.0) -> Released:
+                again: bool = False, retries: int = 0, cooldown: float = 0.0, presend: float = 0.0,
+                request_id: str = "") -> Released:
         """Delete the lock if ``lock`` still holds it, and pass the key to the next waiter: one round trip.
 
         Idempotent. On an error it raises and the handle keeps its token, so the
@@ -230,8 +231,10 @@ class LockServer(ScriptClient):
         key taken, by nobody, for that many seconds: waiters get it from the sweeper
         once it runs out (announce the key to it: :func:`line.announce`). ``presend`` > 0:
         if the lock was held no longer than that, the task second in line is sent now, ahead of
-        its turn, to wait for it in a worker slot (the hot-key fast path). In
-        another process than the one that took it, nothing is done (status -2).
+        its turn, to wait for it in a worker slot (the hot-key fast path). ``request_id``: the same for a
+        release tried again (``again``), so that a try that ran and lost its reply answers the retry as it
+        would have answered, hand-offs and all (see :mod:`.kept`). In another process than the one that
+        took it, nothing is done (status -2).
         """
         if lock.pid != os.getpid():
             return Released(Release.NOT_HERE)
@@ -242,7 +245,7 @@ class LockServer(ScriptClient):
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
                 value if remember else "", "1" if again else "0", str(retries), str(ms(cooldown)) if cooldown else "0",
                 "1" if presend and time.monotonic() - lock.acquired_at <= presend else "0")
-        reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args)
+        reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args, request_id=request_id)
         lock.released = True
         if type(reply) is int:  # deleted, and nothing else to do (no line, no success to remember)
             return Released(Release(reply))

@@ -251,7 +251,7 @@ class EtcdLockServer:
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
                 again: bool = False, retries: int = 0, cooldown: float = 0.0,
-                presend: float = 0.0) -> Released:
+                presend: float = 0.0, request_id: str = "") -> Released:
         """Delete the key if it is still ours (its create revision is our fencing token, its value our
         token's) and nobody waits: one txn. If someone waits, one more look at the line's head and one
         txn that deletes the key and reserves it for the first live waiter at once; its message is

@@ -273,7 +273,7 @@ class QuorumLockServer:
 
     def release(self, lock: Lock, *, succeeded: bool = False, remember: float = 0.0, value: bytes = b"",
                 again: bool = False, retries: int = 0, cooldown: float = 0.0,
-                presend: float = 0.0) -> Released:
+                presend: float = 0.0, request_id: str = "") -> Released:
         """Release on every member; deleted (status 1) when a majority still had our token.
 
         ``value`` is not kept (a quorum's done record drops a redelivery; it cannot replay it), and

@@ -20,6 +20,7 @@ import uuid
 import pytest
 from _clusters import new_key, runs, started, starts, state_of
 from _fault_proxy import sha_of
+from _slot_faults_support import in_slot
 from _task_support import assert_no_overlap
 
 from celery_singleton_lock.delivery.headers import Turn
@@ -89,6 +90,30 @@ def test_a_line_of_waiters_with_one_reply_lost(env, script):
     second = env.inline.apply_async((k, 0.1, "second"), link_error=errback)
     done = checked(env, k, pattern, [holder, first, second], ["holder", "first", "second"])
     assert [r["tag"] for r in sorted(done, key=lambda r: r["start"])][0] == "holder"
+
+
+def test_a_short_holds_release_that_lost_its_replies_twice_still_sends_the_call_it_sent_ahead(env):
+    """A short hold's release hands the key to the first in line and sends the second ahead of its
+    turn (to wait for it in a worker slot); the release's reply is lost twice (the client's own second
+    send too), and the task's release tries again. That retry used to be answered with the hand-off
+    alone: the call sent ahead was never sent, the key waited for it a lock TTL, and it failed at its
+    deadline without running. The retry carries the first try's request id and gets its whole reply:
+    every call runs once, in order."""
+    release = sha_of(scripts.RELEASE)
+    env.locks.client(2).script_load(scripts.RELEASE)  # (else the first send meets NOSCRIPT: nothing runs)
+    task = env.slot  # lock_wait_in_slot=1.0: a hold under 1 s sends the second in line ahead
+    k = new_key()
+    holder = task.delay(k, 3.0, "holder")
+    started(env, k)
+    calls = []
+    for tag in ("a", "b", "c"):  # one at a time: the line is a, b, c
+        calls.append(task.delay(k, 0.5 if tag == "a" else 0.1, tag))
+        parked(env, task, k, len(calls))
+    wait_until(lambda: not in_slot(env, task, k), TIMEOUT, what="the waiters' slot waits to end (all parked)")
+    wait_until(lambda: any(s["id"] == calls[0].id for s in starts(env, k)), TIMEOUT, what="the first waiter's run")
+    env.proxy.arm(release, 2)  # its release: the first send and the client's second
+    done = checked(env, k, release, [holder, *calls], ["holder", "a", "b", "c"])
+    assert [r["tag"] for r in sorted(done, key=lambda r: r["start"])] == ["holder", "a", "b", "c"]
 
 
 @pytest.mark.parametrize("script", ["PARK", "TAKE_MERGED"])
