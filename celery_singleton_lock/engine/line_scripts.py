@@ -49,7 +49,9 @@ if ARGV[10] == '1' then
   local rec = last and redis.call('HGET', WAITERS, last)
   if rec then
     local kind, state, deadline, _, owner = parse(rec)
-    if kind == 't' and state == 'p' and owner ~= ARGV[5] then  -- parked, its turn not come: merge into it
+    -- parked, its turn not come, and not waiting in its worker slot (a run there takes no merged calls)
+    if kind == 't' and state == 'p' and owner ~= ARGV[5] and redis.call('EXISTS', LOCK .. ':b:' .. last) == 0
+        and string.sub(held or '', 1, #last + 2) ~= '~' .. last .. ' ' then
       -- LOCK:m:<owner>: the merged calls in order, each "<task id>\\n<message>"
       local calls = LOCK .. ':m:' .. owner
       redis.call('RPUSH', calls, ARGV[5] .. '\\n' .. ARGV[6])

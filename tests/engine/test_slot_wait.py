@@ -238,3 +238,22 @@ def test_a_copy_that_claims_in_its_slot_leaves_the_tombstone_its_first_parker_lo
     assert queue.wait_in_slot(server, key, entry, 1.0) is queue.Slot.WOKEN
     assert isinstance(server.acquire(key, 5, owner_id="w1", entry=entry), Lock)  # the copy's claim
     assert server.client.zscore(layout.gone(key), entry) is not None
+
+
+def test_a_call_never_merges_into_a_waiter_in_its_slot_or_woken_there(server):
+    """A run claimed in the worker slot (the first delivery) takes no merged calls: a waiter still in its
+    slot, or woken there, is no merge target (a coalescing call parks behind it instead)."""
+    key = _key()
+    holder = server.acquire(key, 5, owner_id="holder")
+    _park(server, key, "w1", block=5.0)
+    in_slot = queue.park(server, key, queue.entry_for("m1"), kind="t", wait=30, ttl=5, owner_id="m1",
+                         message=b"m1", merge=True)
+    assert in_slot.found is queue.Park.PARKED, in_slot
+    other = _key()
+    holder2 = server.acquire(other, 5, owner_id="holder")
+    _park(server, other, "w2", block=5.0)
+    server.release(holder2)  # w2 woken in its slot: the key is reserved for it
+    woken = queue.park(server, other, queue.entry_for("m2"), kind="t", wait=30, ttl=5, owner_id="m2",
+                       message=b"m2", merge=True)
+    assert woken.found is queue.Park.PARKED, woken
+    server.release(holder)
