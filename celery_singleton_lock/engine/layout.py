@@ -16,10 +16,10 @@ every key below lives in K's hash slot and no script touches two slots):
     kind ``t`` a parked task (message: the task message to send again),
     ``s`` a redelivered copy of the running task (dropped if it succeeds),
     ``p`` plain code blocked in ``held(..., wait=...)`` (woken through
-    ``K:wake:<entry>``); state ``p`` parked, ``b`` a task still waiting in its
-    worker slot while ``K:b:<entry>`` lives (``lock_wait_in_slot``), ``w`` such a
-    task woken there through ``K:wake:<entry>`` to claim the key reserved for it (no
-    message is sent unless the reservation runs out), ``h`` handed the key (its
+    ``K:wake:<entry>``); state ``p`` parked (a task still waiting in its worker
+    slot while ``K:b:<entry>`` lives, ``lock_wait_in_slot``, is woken there through
+    ``K:wake:<entry>`` to claim the key reserved for it, and no message is sent unless
+    the reservation runs out), ``n`` sent ahead of its turn, ``h`` handed the key (its
     message not yet known to be sent: the reservation lasts one lock TTL, then
     the sweeper sends it again), ``c`` handed and sent (the reservation lasts
     until the copy arrives, up to the turn timeout; then the key passes on,
@@ -181,6 +181,12 @@ def etcd_line(key: str) -> str:
 def etcd_turn(key: str) -> str:
     """etcd: the entry ``key`` is reserved for (the waiter whose turn came)."""
     return f"{ETCD_ROOT}turn/{key}"
+
+
+def etcd_left(request_id: str, key: str) -> str:
+    """etcd: ``key``, whose waiter the revoke look ``request_id`` took out (beside the tombstone, for a
+    look with that id to find it without reading every tombstone)."""
+    return f"{ETCD_ROOT}left/{request_id}\x00{key}"
 
 
 def etcd_gone(key: str, entry: str) -> str:

@@ -204,7 +204,7 @@ def wait_in_slot(server: LockServer, name: str, entry: str, seconds: float) -> S
     The hot-key fast path: a release wakes the waiter through its wake-up list in the same round trip
     that reserves the key for it, and it claims the key at once, with no message through the broker.
     Past ``seconds`` it stops waiting there (one script decides, atomically, against a hand-off landing
-    meanwhile). A wake-up whose reply was lost is found there too: the waiter's record says it was woken.
+    meanwhile). A wake-up whose reply was lost is found there too: the key is reserved for the waiter.
     """
     try:
         if server.client.blpop([layout.wake(slot_safe(name), entry)], timeout=seconds):

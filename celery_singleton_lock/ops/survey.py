@@ -15,8 +15,8 @@ from ..engine import layout
 from ..engine.lock import Holder
 
 # every key beside a lock (engine/layout.py): line, waiters, done records, tombstones, publish mark, slot
-# marks, wake-ups, merged calls, kept replies
-_COMPANIONS = re.compile(r"^(?P<lock>.+:\{[^{}]+\}):(?:q|w|d|g|p|d:.*|wake:.*|b:.*|m:.*|mo:.*|r:.*)$")
+# marks, wake-ups, merged calls (and 0.2's K:mm), kept replies
+_COMPANIONS = re.compile(r"^(?P<lock>.+:\{[^{}]+\}):(?:q|w|d|g|p|d:.*|wake:.*|b:.*|m:.*|mm:.*|mo:.*|r:.*)$")
 _LOCK = re.compile(r"^(?P<task>[^{}]+):\{[^{}]+\}$")
 KINDS = {"t": "task", "s": "redelivered copy", "p": "plain code"}
 STATES = {"p": "parked", "h": "handed the key (its message not yet confirmed sent)", "c": "handed the key, sent",

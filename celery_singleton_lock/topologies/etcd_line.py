@@ -222,7 +222,8 @@ class EtcdLine:
     def _leave(self, key: str, entry: str, request_id: str = "") -> tuple[bool, list[Handoff]]:
         turn = layout.etcd_turn(key)
         out = [*(_delete(waiter_key(key, b, entry)) for b in layout.ETCD_BANDS),
-               _put(layout.etcd_gone(key, entry), request_id.encode(), self._lease(GONE_FOR))]
+               _put(layout.etcd_gone(key, entry), request_id.encode(), self._lease(GONE_FOR)),
+               *([_put(layout.etcd_left(request_id, key), b"", self._lease(GONE_FOR))] if request_id else [])]
         reply = self._txn([_compare_value(turn, entry)], [_delete(turn), *out], out, key)
         if not reply.get("succeeded"):
             return False, []
@@ -375,9 +376,9 @@ class EtcdLine:
         return out + self.hand_on(key)
 
     def remove(self, owner_id: str, request_id: str = "") -> list[str]:
-        """Take task ``owner_id`` out of every line (a revoke): the keys it left. Its tombstones name
-        ``request_id``, so a look with that id (tried again after a lost reply, or another worker's: the
-        looks of one revoke share it) finds the keys an earlier try left, and moves them on."""
+        """Take task ``owner_id`` out of every line (a revoke): the keys it left, also those a look with
+        the same ``request_id`` left before (tried again after a lost reply, or another worker's: the looks
+        of one revoke share it; see :func:`.layout.etcd_left`), which it moves on."""
         left = self._left_by(request_id) if request_id else []
         for key in left:
             self.server.dispatch(self.hand_on(key))  # (the lost try's own hand-on may not have run)
@@ -393,8 +394,7 @@ class EtcdLine:
         return list(dict.fromkeys(left))
 
     def _left_by(self, request_id: str) -> list[str]:
-        """The keys whose tombstones name ``request_id``."""
-        prefix = layout.ETCD_ROOT + "gone/"
-        reply = self.server.transport.call("/kv/range", prefix_range(prefix)["request_range"])
-        return [unb64(kv["key"]).decode()[len(prefix):].partition("\x00")[0] for kv in reply.get("kvs") or []
-                if unb64(kv.get("value")) == request_id.encode()]
+        """The keys whose waiters a look with ``request_id`` took out."""
+        prefix = layout.etcd_left(request_id, "")
+        reply = self.server.transport.call("/kv/range", prefix_range(prefix, keys_only=True)["request_range"])
+        return [unb64(kv["key"]).decode()[len(prefix):] for kv in reply.get("kvs") or []]
