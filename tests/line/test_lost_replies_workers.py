@@ -51,6 +51,20 @@ def waiter_parked(env, task, hold: float) -> tuple:
     return k, holder, waiter
 
 
+def merged_behind(env, task, hold: float, wait: float) -> tuple:
+    """A holder of a new key for ``hold`` s, a coalescing waiter (a ``wait`` s body) parked behind it, and
+    a call merged into that waiter: (key, holder, waiter, merged)."""
+    k = new_key()
+    holder = task.delay(k, hold, "holder")
+    started(env, k)
+    waiter = task.delay(k, wait, "waiter")
+    parked(env, task, k)
+    merged = task.delay(k, 0.1, "merged")
+    wait_until(lambda: (task.backend.get_task_meta(merged.id, cache=False)["result"] or {}).get("merged_into")
+               == waiter.id, TIMEOUT, what="the call to merge")
+    return k, holder, waiter, merged
+
+
 def checked(env, key, pattern, calls, ran, failed=()):
     """Every call final; the calls ``ran`` (by tag) each ran once and nothing else ran; the ``failed``
     ones failed with LockWaitTimeout and fired their errback once; no overlap; the fault happened."""
@@ -272,15 +286,7 @@ def test_a_revoked_coalescing_waiters_merged_call_whose_take_loses_its_replies_r
     the merged call is sent once and runs once, the waiter ends REVOKED and never runs."""
     take = sha_of(dedupe.TAKE_MERGED)
     env.locks.client(2).script_load(dedupe.TAKE_MERGED)  # (else the first send meets NOSCRIPT: nothing runs)
-    task = env.merging
-    k = new_key()
-    holder = task.delay(k, 2.0, "holder")
-    started(env, k)
-    waiter = task.delay(k, 0.1, "waiter")
-    parked(env, task, k)
-    merged = task.delay(k, 0.1, "merged")
-    wait_until(lambda: (task.backend.get_task_meta(merged.id, cache=False)["result"] or {}).get("merged_into")
-               == waiter.id, TIMEOUT, what="the call to merge")
+    k, holder, waiter, merged = merged_behind(env, env.merging, 2.0, 0.1)
     env.proxy.arm(take, 2)
     waiter.revoke()
     wait_until(lambda: state_of(waiter) == "REVOKED", TIMEOUT, what="the revoked waiter to end REVOKED")
@@ -299,14 +305,7 @@ def test_a_coalescing_run_whose_merged_calls_cannot_be_read_again_settles_or_sen
       find its old record and wait for ever; forgetting the records is now tried again first.
     """
     task = env.merging_ignored
-    k = new_key()
-    holder = task.delay(k, 1.0, "holder")
-    started(env, k)
-    waiter = task.delay(k, 1.0, "waiter")
-    parked(env, task, k)
-    merged = task.delay(k, 0.1, "merged")
-    wait_until(lambda: (task.backend.get_task_meta(merged.id, cache=False)["result"] or {}).get("merged_into")
-               == waiter.id, TIMEOUT, what="the call to merge")
+    k, holder, waiter, merged = merged_behind(env, task, 1.0, 1.0)
     if ending == "ignored":
         env.journal.sadd("ignore-run", waiter.id)
     wait_until(lambda: any(s["id"] == waiter.id for s in starts(env, k)), TIMEOUT, what="the waiter's run")

@@ -44,20 +44,27 @@ def etcd_env(tmp_path_factory):
             proxy.close()
 
 
+def _leave_armed(env, hold: float) -> tuple:
+    """A holder of a new key for ``hold`` s and a waiter parked behind it on etcd, the proxy armed to
+    lose the reply of that waiter's leave (a txn that deletes the waiter's key: its base64 is in the
+    request): (key, lock key, holder, waiter)."""
+    k = new_key()
+    holder = env.inline.delay(k, hold, "holder")
+    started(env, k)
+    waiter = env.inline.delay(k, 0.1, "waiter")
+    lock_key = env.inline.lock_key_for((k,), {})
+    wait_until(lambda: queue.line(env.etcd, lock_key) == [waiter.id], TIMEOUT, what="the waiter to park")
+    env.proxy.arm(b64(waiter_key(lock_key, "1", queue.entry_for(waiter.id))).encode(), 1)
+    return k, lock_key, holder, waiter
+
+
 def test_a_revoked_waiter_whose_leave_reply_is_lost_ends_revoked(etcd_env):
     """A waiter parked on etcd is revoked; the worker's leave (a txn that deletes the waiter and puts its
     tombstone) runs, and its reply is lost. The look is tried again 2 s later, when the waiter is gone
     from every line: it used to find nothing, and the waiter stayed WAITING for ever. It finds the
     tombstone its first try left (it names the look), stores REVOKED, and the line moves on."""
     env = etcd_env
-    k = new_key()
-    holder = env.inline.delay(k, 3.0, "holder")
-    started(env, k)
-    waiter = env.inline.delay(k, 0.1, "waiter")
-    lock_key = env.inline.lock_key_for((k,), {})
-    wait_until(lambda: queue.line(env.etcd, lock_key) == [waiter.id], TIMEOUT, what="the waiter to park")
-    # the leave's txn deletes the waiter's key: its base64 is in the request
-    env.proxy.arm(b64(waiter_key(lock_key, "1", queue.entry_for(waiter.id))).encode(), 1)
+    k, lock_key, holder, waiter = _leave_armed(env, 3.0)
     waiter.revoke()
     wait_until(lambda: state_of(waiter) == "REVOKED", TIMEOUT, what="the revoked waiter to end REVOKED")
     assert env.proxy.dropped, "the leave's reply was not lost: the test did not run its fault"
@@ -75,14 +82,8 @@ def test_a_revoked_waiter_ends_revoked_when_the_worker_whose_leave_ran_stops_bef
     the tombstone the leave left names it: the later look finds the key, stores REVOKED, and the waiter
     never runs."""
     env = etcd_env
-    k = new_key()
-    holder = env.inline.delay(k, 2.0, "holder")
-    started(env, k)
-    waiter = env.inline.delay(k, 0.1, "waiter")
-    lock_key = env.inline.lock_key_for((k,), {})
-    wait_until(lambda: queue.line(env.etcd, lock_key) == [waiter.id], TIMEOUT, what="the waiter to park")
-    env.proxy.arm(b64(waiter_key(lock_key, "1", queue.entry_for(waiter.id))).encode(), 1)
     dropped = len(env.proxy.dropped)
+    k, lock_key, holder, waiter = _leave_armed(env, 2.0)
     waiter.revoke()
     wait_until(lambda: len(env.proxy.dropped) > dropped, TIMEOUT, what="the worker's leave to lose its reply")
     os.kill(env.workers[0].pid, signal.SIGSTOP)  # before its look is tried again (2 s later)
