@@ -18,7 +18,8 @@ WARNING: the lock taken at execution (which waits for the server) still applies.
 The mark lives until the call's delivery starts (:func:`started`: it took the lock, parked, or
 was refused; from then on the lock or the line shows the call), until the call is revoked
 while queued, or for ``lock_publish_ttl`` seconds at most: a message lost in the broker
-blocks publishes of its key for no longer than that.
+blocks publishes of its key for no longer than that. A publish never joins a call the result backend
+says has ended (:func:`_mark`).
 """
 
 from __future__ import annotations
@@ -61,10 +62,7 @@ def publish(task: Any, args: Any, kwargs: Any, options: dict[str, Any], send: An
     task_id = uuid()
     options["headers"] = {**(options.get("headers") or {}), MARKED: "1"}
     try:
-        found = dedupe.mark(server, key, task_id, ms(settings.publish_ttl))
-        if found is not None and found.state == "queued" and _ended(task, found.task_id):
-            _forget(server, key, found.task_id)  # a mark its delivery could not delete: it names no call
-            found = dedupe.mark(server, key, task_id, ms(settings.publish_ttl))
+        found = _mark(task, server, key, task_id, ms(settings.publish_ttl))
     except LockBackendUnavailable as exc:  # the execution lock still applies: publish, unchecked
         logger.warning("task %s: lock_publish could not check lock %s (%s); published unchecked", task.name,
                        key, exc)
@@ -101,11 +99,23 @@ def queued_again(task: Any, request: Any, key: str, server: Any) -> None:
         logger.warning("lock %s: could not mark task %s again: %s", key, request.id, exc)
 
 
+def _mark(task: Any, server: LockServer, key: str, task_id: str, ttl_ms: int) -> dedupe.Pending | None:
+    """The call to join, or None (``task_id`` is marked): :func:`.dedupe.mark`, passing over calls that
+    have ended. A delivery that could not reach the lock Redis to delete its mark, or a release that
+    could not (both tries met a restart, say), leaves a mark or a lock naming a finished call, which
+    every publish would join until it expires: the joiner's work would never run. At most three are
+    passed over (the mark, the last waiter, the lock), so this ends."""
+    ended: tuple[str, ...] = ()
+    while True:
+        found = dedupe.mark(server, key, task_id, ttl_ms, ended)
+        if found is None or len(ended) == 3 or not _ended(task, found.task_id):
+            return found
+        ended += (found.task_id,)
+
+
 def _ended(task: Any, task_id: str) -> bool:
-    """Has the marked call ended (a final state stored)? Asked only before joining a queued call: its
-    delivery deletes the mark as it starts, and one that could not reach the lock Redis then leaves a
-    mark naming a finished call, which every publish would join until the mark expires. Without a
-    result backend: False (joined, as before)."""
+    """Has the call ended (a final state stored)? Asked only before joining it. Without a result
+    backend: False (joined, as before)."""
     try:
         return task.AsyncResult(task_id).state in READY_STATES
     except Exception:  # (no result backend, or it did not answer)

@@ -30,23 +30,27 @@ from .server import LockServer
 
 PUBLISH = """
 -- KEYS[1] lock, KEYS[2] line, KEYS[3] waiters, KEYS[4] publish mark; ARGV[1] the new call's
--- task id, ARGV[2] the mark's ttl ms.
+-- task id, ARGV[2] the mark's ttl ms, ARGV[3..] calls known to have ended (passed over: a mark,
+-- waiter or lock that names one was left by a delete or release that could not reach Redis).
 -- Returns {1, id} a call is published and not started, {2, id} one waits in line (the last),
 -- {3, id} one runs: join that one. Else the mark is set for ARGV[1] and {0} returned: publish.
+local ended = {}
+for i = 3, #ARGV do ended[ARGV[i]] = true end
 local mark = redis.call('GET', KEYS[4])
-if mark then return {1, mark} end
+if mark and not ended[mark] then return {1, mark} end
 local last = redis.call('LINDEX', KEYS[2], -1)
 local rec = last and redis.call('HGET', KEYS[3], last)
 if rec then
   local kind, owner = string.match(rec, '^(.).\\n%d+\\n%d+\\n([^\\n]*)\\n')
-  if kind ~= 'p' and owner and owner ~= '' then return {2, owner} end    -- a task, not plain code
+  if kind ~= 'p' and owner and owner ~= '' and not ended[owner] then return {2, owner} end  -- a task
 end
 local held = redis.call('GET', KEYS[1])
 -- a lock or a reservation names its call; a cooldown ('=') runs nothing: publish
 local meta = held and string.match(held, '^[^=]%S* %d+ (.*)$')
 if meta then
   local ok, value = pcall(cjson.decode, meta)
-  if ok and type(value) == 'table' and type(value.owner) == 'string' and value.owner ~= '' then
+  if ok and type(value) == 'table' and type(value.owner) == 'string' and value.owner ~= ''
+      and not ended[value.owner] then
     return {3, value.owner}
   end
 end
@@ -95,11 +99,12 @@ class Pending:
     state: str
 
 
-def mark(server: LockServer, name: str, task_id: str, ttl_ms: int) -> Pending | None:
-    """Mark ``task_id`` as the key's published call, unless the key has one: then that one."""
+def mark(server: LockServer, name: str, task_id: str, ttl_ms: int, ended: tuple[str, ...] = ()) -> Pending | None:
+    """Mark ``task_id`` as the key's published call, unless the key has one: then that one. The calls
+    in ``ended`` are passed over (the caller knows they ended: what names them was left behind)."""
     key = slot_safe(name)
     reply = server.run(PUBLISH, (key, layout.line(key), layout.waiters(key), layout.publish_mark(key)),
-                       (task_id, ttl_ms))
+                       (task_id, ttl_ms, *ended))
     status = int(reply[0])
     if status == 0:
         return None
