@@ -39,8 +39,9 @@ from ..exceptions import LockKeyError
 from . import listed
 from .base import Target, fail, locks, open_target, resolve_task
 from .nodes import node_of_key
-from .reading import SCAN_COUNT, read_locks, read_one, scan
+from .reading import SCAN_COUNT, in_slot, read_locks, read_one, scan
 from .survey import (
+    IN_SLOT,
     KINDS,
     STATES,
     describe,
@@ -87,6 +88,7 @@ def _line(target: Target, key: str, now_ms: int, records: dict[bytes, bytes],
           entries: list[bytes]) -> list[dict[str, Any]]:
     """The key's waiters, next first, then those handed the key and gone from the line (yet to claim it)."""
     out = []
+    slot = in_slot(target, key, records, node_of_key(target.server, key).client)
     order = [e for e in entries if e in records] + [e for e in records if e not in set(entries)]
     for entry in order:
         waiter = layout.Waiter.parse(records[entry])
@@ -94,7 +96,7 @@ def _line(target: Target, key: str, now_ms: int, records: dict[bytes, bytes],
             "entry": entry.decode(),
             "owner": waiter.owner,
             "kind": KINDS.get(waiter.kind, waiter.kind),
-            "state": STATES.get(waiter.state, waiter.state),
+            "state": IN_SLOT if entry in slot else STATES.get(waiter.state, waiter.state),
             "in_line": entry in entries,
             "gives_up_in_ms": waiter.deadline_ms - now_ms,
             "ttl_ms": waiter.ttl_ms,

@@ -31,7 +31,8 @@ from ..delivery.headers import turn_of
 from ..engine import layout, line_ops
 from ..exceptions import LockError
 from .base import Target, audit, fail, locks, open_target, who_am_i
-from .survey import KINDS, STATES, duration, message_summary, to_json
+from .reading import in_slot
+from .survey import IN_SLOT, KINDS, STATES, duration, message_summary, to_json
 
 
 def read_line(target: Target, key: str) -> list[dict[str, Any]]:
@@ -53,13 +54,16 @@ def read_line(target: Target, key: str) -> list[dict[str, Any]]:
     (secs, micros), held, entries, records = target.run(read)
     now_ms = secs * 1000 + micros // 1000
     reserved = held.split(b" ", 1)[0][1:] if held and held.startswith(b"~") else None
+    slot = in_slot(target, key, records)
     order = [e for e in entries if e in records] + [e for e in records if e not in set(entries)]
     return [_row(layout.Waiter.parse(records[entry]), entry.decode(),
-                 entries.index(entry) + 1 if entry in entries else None, entry == reserved, now_ms / 1000)
+                 entries.index(entry) + 1 if entry in entries else None, entry == reserved, now_ms / 1000,
+                 entry in slot)
             for entry in order]
 
 
-def _row(waiter: layout.Waiter, entry: str, place: int | None, reserved: bool, now: float) -> dict[str, Any]:
+def _row(waiter: layout.Waiter, entry: str, place: int | None, reserved: bool, now: float,
+         slot: bool = False) -> dict[str, Any]:
     """One waiter as ``line`` shows it (``now``: the lock server's clock, or on etcd this host's)."""
     parked_at = _parked_at(waiter.message)
     now_ms = int(now * 1000)
@@ -67,7 +71,7 @@ def _row(waiter: layout.Waiter, entry: str, place: int | None, reserved: bool, n
         "place": place,
         "task_id": waiter.owner,
         "kind": KINDS.get(waiter.kind, waiter.kind),
-        "state": STATES.get(waiter.state, waiter.state),
+        "state": IN_SLOT if slot else STATES.get(waiter.state, waiter.state),
         "reserved": reserved,
         "waited_ms": None if parked_at is None else max(0, now_ms - int(parked_at * 1000)),
         "gives_up_in_ms": waiter.deadline_ms - now_ms,

@@ -136,3 +136,18 @@ def read_one(target: Target, key: str, task: str) -> dict[str, Any] | None:
     rows = read_locks(target, [(key, task)], node_of_key(target.server, key).client)
     return rows[0] if rows else None
 
+
+def in_slot(target: Target, key: str, records: dict[bytes, bytes], client: Any = None) -> set[bytes]:
+    """The parked waiters of ``key`` still waiting in their worker slot (``lock_wait_in_slot``): those
+    whose slot mark lives. One pipelined read, none if nobody is parked."""
+    parked = [entry for entry, record in records.items() if record[1:2] == b"p"]
+    if not parked:
+        return set()
+
+    def read(c: Any) -> list[Any]:
+        pipe = c.pipeline(transaction=False)
+        for entry in parked:
+            pipe.exists(layout.blocking(key, entry.decode()))
+        return list(pipe.execute())
+
+    return {entry for entry, marked in zip(parked, target.run(read, client), strict=True) if marked}

@@ -21,6 +21,8 @@ _LOCK = re.compile(r"^(?P<task>[^{}]+):\{[^{}]+\}$")
 KINDS = {"t": "task", "s": "redelivered copy", "p": "plain code"}
 STATES = {"p": "parked", "h": "handed the key (its message not yet confirmed sent)", "c": "handed the key, sent",
           "n": "sent ahead of its turn (to wait for it in a worker slot)"}
+IN_SLOT = "waiting in its worker slot"
+"""A parked waiter's state while its slot mark lives (``lock_wait_in_slot``)."""
 
 
 def parse_key(key: str, prefixes: Sequence[str]) -> str:

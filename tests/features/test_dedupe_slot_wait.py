@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from _clusters import new_key, runs, started, state_of
@@ -50,6 +52,37 @@ def test_a_duplicate_handed_the_key_while_it_waits_in_its_slot_runs_there(env):
     assert entries(env, key)["d0"] is None  # ran in its own delivery: no turn was sent
     for i, dup in enumerate(dups):  # nor does its process keep its parked message (and look it up each second)
         assert queue.entry_for(dup.id, 0) not in kept(env, key)[f"d{i}"]
+
+
+def _locks_cli(*args: str) -> str:
+    """``celery -A apps.dedupe_app locks <args>`` as an operator runs it (the module's servers, from the
+    environment the fixture set)."""
+    from _apps import ROOT, TESTS
+
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "apps.dedupe_app", "locks", *args], cwd=TESTS,
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_the_locks_commands_show_a_waiter_in_its_worker_slot_as_such(env):
+    """``celery locks line`` and ``show`` tell a duplicate waiting in its worker slot from a parked one."""
+    key = new_key()
+    holder = env.in_slot_long.delay(key, 3.0, "holder")
+    started(env, key)
+    dup = env.in_slot_long.delay(key, 0.0, "dup")
+    lock_key = env.in_slot_long.lock_key_for((key,), {})
+    locks = env.server.client(2)
+    wait_until(lambda: any(locks.exists(layout.blocking(lock_key, e.decode()))
+                           for e in locks.hkeys(layout.waiters(lock_key))), TIMEOUT,
+               what="the duplicate to wait in its worker slot")
+    (row,) = json.loads(_locks_cli("line", lock_key, "--json"))
+    assert row["task_id"] == dup.id and row["state"] == "waiting in its worker slot", row
+    (entry,) = json.loads(_locks_cli("show", lock_key, "--json"))["line"]
+    assert entry["owner"] == dup.id and entry["state"] == "waiting in its worker slot", entry
+    assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
+    assert dup.get(timeout=TIMEOUT)["tag"] == "dup"
 
 
 def test_a_long_holder_makes_the_slot_waiter_park_and_it_runs_in_its_turn(env):
