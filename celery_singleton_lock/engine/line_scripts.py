@@ -59,6 +59,7 @@ if ARGV[10] == '1' then
       local keep = math.max(deadline - now, 0) + 600000
       redis.call('SET', LOCK .. ':mo:' .. ARGV[5], owner, 'PX', keep)
       redis.call('PEXPIRE', calls, keep)
+      redis.call('PEXPIRE', LOCK .. ':mm:' .. owner, keep)  -- (0.2 kept the messages of its merges there)
       return {4, last, owner}
     end
   end

@@ -189,7 +189,10 @@ def test_calls_merged_by_an_earlier_release_are_read_settled_and_revoked(redis_s
         server.client.rpush(calls, old)
         server.client.hset(before, old, old.encode())
         server.client.set(layout.merged_into(key, old), "w1", px=60_000)
+    server.client.pexpire(before, 60_000)  # (as 0.2 left it: its own expiry, shorter than the list's will be)
     queue.park(server, key, queue.entry_for("w4"), kind="t", wait=10, ttl=5, owner_id="w4", message=b"w4", merge=True)
+    # a merge after the upgrade keeps both records as long: 0.2's messages must not run out first
+    assert server.client.pttl(before) > 60_000 and abs(server.client.pttl(before) - server.client.pttl(calls)) < 1000
     assert dedupe.merged_calls(server, key, "w1") == [b"w2", b"w3", b"w4"]
     assert line_ops.remove(server, key, "w3")[0] == 1  # a revoke of a call merged before the upgrade
     assert dedupe.take_merged(server, key, "w1") == [b"w2", b"w4"]
