@@ -3,7 +3,8 @@ queued, waiting or running is not published again.
 
 celery-once raises ``AlreadyQueued`` and celery-singleton returns the AsyncResult of the call
 already queued; this does both, as the task chooses, with one lock-server round trip per
-publish (:func:`engine.dedupe.mark`) and none when it is off (the default).
+publish (:func:`engine.dedupe.mark`), and a result-backend read when it finds a call to join
+(has it ended?), and none when it is off (the default).
 
 What is checked: ``delay()`` and ``apply_async()`` of the task itself, with no ``task_id`` of
 the caller's and no canvas around it. A call that carries its own task id is a retry, a

@@ -37,7 +37,10 @@ PUBLISH = """
 local ended = {}
 for i = 3, #ARGV do ended[ARGV[i]] = true end
 local mark = redis.call('GET', KEYS[4])
-if mark and not ended[mark] then return {1, mark} end
+if mark then
+  if not ended[mark] then return {1, mark} end
+  redis.call('DEL', KEYS[4])                                    -- it names a call that ended: it goes
+end
 local last = redis.call('LINDEX', KEYS[2], -1)
 local rec = last and redis.call('HGET', KEYS[3], last)
 if rec then

@@ -175,15 +175,17 @@ def test_join_from_processes_publishes_one(env, tmp_path):
     script = (
         "import os, sys, time; sys.path.insert(0, os.environ['TESTS'])\n"
         "from apps.dedupe_app import joined\n"
+        "open(os.environ['READY'], 'w').close()\n"
         f"deadline = time.monotonic() + 30\n"
         f"while not os.path.exists({str(go)!r}) and time.monotonic() < deadline: time.sleep(0.001)\n"
-        f"print(joined.delay({key!r}, 1.0, 'p').id)\n"
+        f"print(joined.delay({key!r}, 2.0, 'p').id)\n"
     )
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, CSL_REDIS_URL_BASE=env.base, TESTS=str(ROOT / "tests"),
-                                       PYTHONPATH=str(ROOT)))
-             for _ in range(6)]
-    time.sleep(1.5)  # let them import (each then waits for the go file, with its own deadline)
+                                       PYTHONPATH=str(ROOT), READY=str(tmp_path / f"ready-{i}")))
+             for i in range(6)]
+    # all imported (each then waits for the go file, with its own deadline): they publish together
+    wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 6, 30, what="the six publishers to import")
     go.write_text("go")
     ids = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)

@@ -328,41 +328,6 @@ def test_a_coalescing_run_whose_merged_calls_cannot_be_read_again_settles_or_sen
     assert_no_overlap([(r["start"], r["end"]) for r in done])
 
 
-def test_a_publish_mark_its_call_could_not_delete_is_not_joined_once_the_call_ended(env):
-    """``lock_publish="join"``: a call's delivery could not delete its key's publish mark (the delete
-    met a dead connection twice), and the call ran and ended. A later publish used to find the mark
-    and join that finished call (for ``lock_publish_ttl``, 600 s): its own work never ran. The result
-    backend says the marked call ended: the later publish deletes the mark and is a call of its own."""
-    unmark = sha_of(dedupe.UNMARK)
-    k = new_key()
-    env.proxy.refuse(unmark, 2)
-    first = env.joining.delay(k, 0.1, "first")
-    first.get(timeout=TIMEOUT)
-    assert env.proxy.left(unmark) == 0, "the mark's delete was not refused: the test did not run its fault"
-    later = env.joining.delay(k, 0.1, "later")
-    assert later.id != first.id, "a publish joined a call that had ended"
-    checked(env, k, unmark, [first, later], ["first", "later"])
-
-
-def test_a_lock_its_call_could_not_release_is_not_joined_once_the_call_ended(env):
-    """``lock_publish="join"``: a call ran and ended, and its release met a dead connection on both
-    tries (the lock Redis restarting, say), so its lock stays until its TTL. A later publish used to find
-    that lock, naming the call, and join it as "running": the later call's own work never ran. The
-    result backend says the call ended: the later publish is a call of its own."""
-    fresh_release, release = sha_of(fresh.RELEASE_FRESH), sha_of(scripts.RELEASE)
-    k = new_key()
-    env.proxy.refuse(fresh_release, 1)
-    env.proxy.refuse(release, 2)  # (a kept script is sent once more on a new connection)
-    first = env.joining.delay(k, 0.1, "first")
-    first.get(timeout=TIMEOUT)
-    wait_until(lambda: env.proxy.left(fresh_release) + env.proxy.left(release) == 0, TIMEOUT,
-               what="both tries of the release to be refused")
-    assert env.locks.client(2).exists(env.joining.lock_key_for((k,), {})), "the lock was released: no fault"
-    later = env.joining.delay(k, 0.1, "later")
-    assert later.id != first.id, "a publish joined a call that had ended"
-    checked(env, k, release, [first, later], ["first", "later"])
-
-
 def test_a_recovered_copy_whose_call_ran_elsewhere_is_dropped_even_if_its_release_fails(env):
     """A recovered copy of a waiting call (sent again by a sweeper after the lock Redis lost its data)
     looks: its call has not run; it takes the key; meanwhile its call ran elsewhere (a hook stores its
