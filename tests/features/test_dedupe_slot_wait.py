@@ -54,6 +54,24 @@ def test_a_duplicate_handed_the_key_while_it_waits_in_its_slot_runs_there(env):
         assert queue.entry_for(dup.id, 0) not in kept(env, key)[f"d{i}"]
 
 
+def slot_waiters(env, lock_key) -> int:
+    """How many of the key's waiters still wait in their worker slot (their slot mark lives)."""
+    locks = env.server.client(2)
+    return sum(locks.exists(layout.blocking(lock_key, e.decode())) for e in locks.hkeys(layout.waiters(lock_key)))
+
+
+def waiting_in_slot(env, task, hold: float, tag: str = "dup") -> tuple:
+    """A holder of a new key for ``hold`` s, started, and a duplicate (``tag``) waiting in its worker slot
+    behind it: (key, lock key, holder, duplicate)."""
+    key = new_key()
+    holder = task.delay(key, hold, "holder")
+    started(env, key)
+    dup = task.delay(key, 0.0, tag)
+    lock_key = task.lock_key_for((key,), {})
+    wait_until(lambda: slot_waiters(env, lock_key) >= 1, TIMEOUT, what="the duplicate to wait in its worker slot")
+    return key, lock_key, holder, dup
+
+
 def _locks_cli(*args: str) -> str:
     """``celery -A apps.dedupe_app locks <args>`` as an operator runs it (the module's servers, from the
     environment the fixture set)."""
@@ -68,15 +86,7 @@ def _locks_cli(*args: str) -> str:
 
 def test_the_locks_commands_show_a_waiter_in_its_worker_slot_as_such(env):
     """``celery locks line`` and ``show`` tell a duplicate waiting in its worker slot from a parked one."""
-    key = new_key()
-    holder = env.in_slot_long.delay(key, 3.0, "holder")
-    started(env, key)
-    dup = env.in_slot_long.delay(key, 0.0, "dup")
-    lock_key = env.in_slot_long.lock_key_for((key,), {})
-    locks = env.server.client(2)
-    wait_until(lambda: any(locks.exists(layout.blocking(lock_key, e.decode()))
-                           for e in locks.hkeys(layout.waiters(lock_key))), TIMEOUT,
-               what="the duplicate to wait in its worker slot")
+    _key, lock_key, holder, dup = waiting_in_slot(env, env.in_slot_long, 3.0)
     (row,) = json.loads(_locks_cli("line", lock_key, "--json"))
     assert row["task_id"] == dup.id and row["state"] == "waiting in its worker slot", row
     (entry,) = json.loads(_locks_cli("show", lock_key, "--json"))["line"]
@@ -104,20 +114,7 @@ def test_a_slot_waiter_killed_while_it_waits_runs_in_its_turn_from_its_parked_me
     its message, and the call runs once, after the holder: nothing is lost."""
     import signal
 
-    from celery_singleton_lock.engine import layout
-
-    key = new_key()
-    holder = env.in_slot.delay(key, 3.0, "holder")
-    started(env, key)
-    dup = env.in_slot.delay(key, 0.0, "dup")
-    lock_key = env.in_slot.lock_key_for((key,), {})
-    locks = env.server.client(2)
-
-    def waiting_in_slot():
-        return any(locks.exists(layout.blocking(lock_key, e.decode())) for e in locks.hkeys(layout.waiters(lock_key)))
-
-    wait_until(waiting_in_slot, TIMEOUT, what="the duplicate to wait in its worker slot")
-
+    key, _lock_key, holder, dup = waiting_in_slot(env, env.in_slot, 3.0)
     os.kill(wait_until(lambda: worker_child_of(env, dup.id), TIMEOUT, what="the waiting duplicate's worker child"),
             signal.SIGKILL)
     assert holder.get(timeout=TIMEOUT)["tag"] == "holder"
@@ -135,18 +132,7 @@ def test_a_slot_waiter_woken_while_stopped_past_the_ttl_gets_its_turn_as_a_messa
     none overlap."""
     import signal
 
-    key = new_key()
-    holder = env.in_slot_long.delay(key, 2.0, "holder")
-    started(env, key)
-    lock_key = env.in_slot_long.lock_key_for((key,), {})
-    locks = env.server.client(2)
-
-    def in_slot(count):
-        entries = locks.hkeys(layout.waiters(lock_key))
-        return sum(locks.exists(layout.blocking(lock_key, e.decode())) for e in entries) >= count
-
-    first = env.in_slot_long.delay(key, 0.0, "first")
-    wait_until(lambda: in_slot(1), TIMEOUT, what="the first duplicate to wait in its worker slot")
+    key, _lock_key, holder, first = waiting_in_slot(env, env.in_slot_long, 2.0, "first")
     child = wait_until(lambda: worker_child_of(env, first.id), TIMEOUT, what="the first duplicate's worker child")
     os.kill(child, signal.SIGSTOP)
     try:
