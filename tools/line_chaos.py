@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _fault_proxy import FaultProxy, sha_of  # noqa: E402
-from chaos_check import Call, Loss, check  # noqa: E402
+from chaos_check import Call, Kill, Loss, check  # noqa: E402
 
 from celery_singleton_lock.engine import dedupe, line_scripts, scripts  # noqa: E402
 from celery_singleton_lock.testing.servers import RedisServer, WorkerProcess  # noqa: E402
@@ -115,10 +115,11 @@ def main() -> int:
         for w in workers:
             w.wait_ready(60)
         losses: list[Loss] = []
+        kills: list[Kill] = []
         results: dict[str, Call] = {}
         try:
             sent = drive(args, rng, faults, chaos_app, broker.client(0), results,
-                         lambda kind: inject(kind, workers, locks, proxy, rng, losses, args.ttl))
+                         lambda kind: inject(kind, workers, locks, proxy, rng, losses, args.ttl, kills))
             print(f"[chaos] {sent} orders sent; waiting up to {args.settle:.0f}s for them to end", flush=True)
             deadline = time.monotonic() + args.settle
             pending = dict(results)
@@ -127,7 +128,7 @@ def main() -> int:
                     if pending[order].result.state in ("SUCCESS", "FAILURE", "REVOKED"):
                         del pending[order]
                 time.sleep(0.5)
-            return check(results, broker.client(3), losses, args.ttl, logdir)
+            return check(results, broker.client(3), losses, args.ttl, logdir, kills)
         finally:
             results.clear()
             gc.collect()  # AsyncResult's __del__ unsubscribes: while the broker Redis still runs
@@ -185,7 +186,7 @@ def publish(app, results: dict[str, Call], rng: random.Random, sent: int, sku: s
 
 
 def inject(kind: str, workers: list[WorkerProcess], locks: RedisServer, proxy: FaultProxy, rng: random.Random,
-           losses: list[Loss], ttl: float) -> None:
+           losses: list[Loss], ttl: float, kills: list[Kill]) -> None:
     if kind == "lost":
         name = rng.choice(sorted(LINE_SCRIPTS))
         sha = sha_of(LINE_SCRIPTS[name])
@@ -207,6 +208,7 @@ def inject(kind: str, workers: list[WorkerProcess], locks: RedisServer, proxy: F
         if kids:
             pid = rng.choice(kids)
             say(f"SIGKILL child {pid}")
+            kills.append(Kill(time.time(), pid))
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

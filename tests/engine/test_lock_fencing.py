@@ -148,7 +148,8 @@ def test_a_fresh_locks_fencing_token_is_known_at_the_acquire_and_keeps_rising(an
     with Monitor(any_redis) as mon:
         fence = first.fencing_token
         mon.sync()
-        assert mon.commands() == []  # (no round trip to read it)
+        # (no round trip to read it; a sweeper an earlier test started may look at the waiting index)
+        assert [c for c in mon.commands() if not any("{waiting}" in w for w in c)] == []
     assert server.holder(name).fencing_token == fence and server.release(first)
     second = server.acquire(name, 5)
     assert second.fencing_token > fence and server.release(second)
