@@ -47,11 +47,14 @@ def test_a_publish_mark_its_call_could_not_delete_is_not_joined_once_the_call_en
     ran_once_each(env, k, [first, later], ["first", "later"])
 
 
-def test_a_lock_its_call_could_not_release_is_not_joined_once_the_call_ended(env):
+@pytest.mark.parametrize("lost", [False, True], ids=["", "second-publish-reply-lost"])
+def test_a_lock_its_call_could_not_release_is_not_joined_once_the_call_ended(env, lost):
     """``lock_publish="join"``: a call ran and ended, and its release met a dead connection on both
     tries (the lock Redis restarting, say), so its lock stays until its TTL. A later publish used to find
     that lock, naming the call, and join it as "running": the later call's own work never ran. The
-    result backend says the call ended: the later publish is a call of its own."""
+    result backend says the call ended: the later publish is a call of its own. With ``lost``, the
+    reply of its second PUBLISH (the one passing over the ended call: only it carries that id) is lost;
+    sent again, it answers as the first send did (marked), not "queued" with the later call's own id."""
     fresh_release, release = sha_of(fresh.RELEASE_FRESH), sha_of(scripts.RELEASE)
     k = new_key()
     env.proxy.refuse(fresh_release, 1)
@@ -61,6 +64,9 @@ def test_a_lock_its_call_could_not_release_is_not_joined_once_the_call_ended(env
     wait_until(lambda: env.proxy.left(fresh_release) + env.proxy.left(release) == 0, TIMEOUT,
                what="both tries of the release to be refused")
     assert env.locks.client(2).exists(env.joining.lock_key_for((k,), {})), "the lock was released: no fault"
+    if lost:
+        env.proxy.arm(first.id.encode(), 1)
     later = env.joining.delay(k, 0.1, "later")
     assert later.id != first.id, "a publish joined a call that had ended"
+    assert env.proxy.left(first.id.encode()) == 0, "the second PUBLISH's reply was not lost: no fault"
     ran_once_each(env, k, [first, later], ["first", "later"])
