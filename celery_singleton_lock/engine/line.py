@@ -229,9 +229,9 @@ def leave(server: LockBackend, name: str, entry: str, request_id: str = "") -> b
         return own.leave(name, entry)
     assert isinstance(server, LockServer)
     key = slot_safe(name)
-    reply = server.run(line_scripts.LEAVE, server.keys_for(key), (entry,), request_id=request_id)
-    server.dispatch(tuple(Handoff.parse(key, item) for item in reply[1:]))
-    return int(reply[0]) == 1
+    reply = server.run(line_scripts.LEAVE, server.keys_for(key), (entry, ""), request_id=request_id)
+    server.dispatch(tuple(Handoff.parse(key, item) for item in reply[2:]))
+    return int(reply[1]) == 1
 
 
 def sweep(server: LockServer, name: str) -> tuple[int, tuple[Handoff, ...]]:

@@ -1,8 +1,8 @@
 """Operators' changes to a line: what a revoke and ``celery locks drop`` do to Redis.
 
 A parked task has no message in any worker, so nothing in Celery can take it
-out of the line by itself: :func:`remove` does, in one script on the key's
-slot (every record of that task id goes; if the key was reserved for it, the
+out of the line by itself: :func:`remove` does, with the line's LEAVE by task id
+(every record of that task id goes; if the key was reserved for it, the
 key passes to the next waiter at once, as a release would), or through the
 backend's own line (etcd's), and :func:`remove_everywhere` looks for the task
 id in every line that has waiters (the sweeper's index: one round trip per such
@@ -13,47 +13,12 @@ Redis: :meth:`.server.LockServer.force_release`). Engine code: it knows nothing 
 
 from __future__ import annotations
 
-from . import scripts
+from . import line_scripts
 from .backend import LockBackend
-from .kept import kept
 from .line import own_line
 from .lock import Handoff, slot_safe
 from .refusals import REDIS_ERRORS
 from .server import LockServer
-
-REMOVE = scripts._HAND_OFF + """
--- ARGV[1] an owner id (a task id). Every waiter of that owner leaves the line:
--- parked, a redelivered copy, or one whose turn was handed (sent or not). If
--- the key was reserved for one of them, it passes to the next waiter here.
--- Plain code (kind p) is left alone: it leaves by itself. A call merged into a waiter
--- (on_duplicate="coalesce") leaves its merged calls. O(waiters).
--- Returns {removed, hand-offs...}.
-local held = redis.call('GET', LOCK) or ''
-local removed, reserved = 0, false
-local into = redis.call('GET', LOCK .. ':mo:' .. ARGV[1])
-if into then                                                    -- a merged call: "<task id>\\n<message>"
-  local calls = LOCK .. ':m:' .. into
-  for _, call in ipairs(redis.call('LRANGE', calls, 0, -1)) do
-    if string.sub(call, 1, #ARGV[1] + 1) == ARGV[1] .. '\\n' or call == ARGV[1] then  -- (0.2: the id alone)
-      removed = redis.call('LREM', calls, 1, call)
-    end
-  end
-end
-local flat = redis.call('HGETALL', WAITERS)
-for i = 1, #flat, 2 do
-  local e = flat[i]
-  local kind, _, _, _, owner = parse(flat[i + 1])
-  if owner == ARGV[1] and kind ~= 'p' then
-    redis.call('LREM', LINE, 0, e)
-    gone(e)
-    removed = removed + 1
-    if string.sub(held, 1, #e + 2) == '~' .. e .. ' ' then reserved = true end
-  end
-end
-if not reserved then return {removed} end
-redis.call('DEL', LOCK)
-return hand_off(clock(), '', {removed})
-"""
 
 
 def remove(server: LockBackend, name: str, owner_id: str, request_id: str = "") -> tuple[int, tuple[Handoff, ...]]:
@@ -68,8 +33,8 @@ def remove(server: LockBackend, name: str, owner_id: str, request_id: str = "") 
         return own.drop(name, owner_id)
     assert isinstance(server, LockServer)
     key = slot_safe(name)
-    reply = server.run(REMOVE, server.keys_for(key), (owner_id,), request_id=request_id)
-    handoffs = tuple(Handoff.parse(key, item) for item in reply[1:])
+    reply = server.run(line_scripts.LEAVE, server.keys_for(key), ("", owner_id), request_id=request_id)
+    handoffs = tuple(Handoff.parse(key, item) for item in reply[2:])
     server.dispatch(handoffs)
     return int(reply[0]), handoffs
 
@@ -81,8 +46,8 @@ def remove_everywhere(server: LockServer, index: str, owner_id: str, request_id:
     A look that fails part way is tried again with the same ``request_id`` and ``answered`` (each key's
     answer so far, filled in here; None: asked, no answer came): a key answered already is not asked
     again (its hand-offs were sent), and one whose answer was lost is asked again even if it has left
-    the index since (a REMOVE that emptied its line lets a sweeper drop it), and answers as it did the
-    first time (its REMOVE is kept)."""
+    the index since (a LEAVE that emptied its line lets a sweeper drop it), and answers as it did the
+    first time (its LEAVE is kept)."""
     answered = {} if answered is None else answered
     try:
         listed = server.client.zrange(index, 0, -1)
@@ -94,6 +59,3 @@ def remove_everywhere(server: LockServer, index: str, owner_id: str, request_id:
             answered[key] = None  # asked: if no answer comes, a look tried again asks it again
             answered[key] = remove(server, key, owner_id, request_id)[0]
     return [key for key, removed in answered.items() if removed]
-
-
-REMOVE = kept(REMOVE)  # safe to send twice: its reply is kept under its request id (engine/kept.py)

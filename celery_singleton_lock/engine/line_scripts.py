@@ -176,15 +176,42 @@ return 1
 """
 
 LEAVE = _HAND_OFF + """
--- ARGV[1] entry id: a waiter gives up. If the key was already reserved for
--- it, the key goes to the next in line. Returns {was reserved (1/0), hand-offs...}.
-redis.call('LREM', LINE, 1, ARGV[1])
-gone(ARGV[1])
-redis.call('DEL', LOCK .. ':wake:' .. ARGV[1])
-local held = redis.call('GET', LOCK)
-if not held or string.sub(held, 1, #ARGV[1] + 2) ~= '~' .. ARGV[1] .. ' ' then return {0} end
+-- Waiters leave the line for good. ARGV[1] an entry id: that waiter (it gave up). Or ARGV[1] '' and
+-- ARGV[2] an owner id (a task id: a revoke, `celery locks drop`): every waiter of that task, parked,
+-- a redelivered copy, or one whose turn was handed (sent or not), and the calls merged into a
+-- waiter (on_duplicate="coalesce"); plain code (kind p) is left alone, it leaves by itself.
+-- O(1) by entry, O(waiters) by owner. If the key was reserved for one that left, it passes to the
+-- next waiter here. Returns {how many left, 1 if the key was reserved for one of them, hand-offs...}.
+local held = redis.call('GET', LOCK) or ''
+local left, reserved = 0, 0
+local function leave(e)
+  redis.call('LREM', LINE, 0, e)
+  gone(e)
+  redis.call('DEL', LOCK .. ':wake:' .. e)
+  left = left + 1
+  if string.sub(held, 1, #e + 2) == '~' .. e .. ' ' then reserved = 1 end
+end
+if ARGV[1] ~= '' then
+  leave(ARGV[1])
+else
+  local into = redis.call('GET', LOCK .. ':mo:' .. ARGV[2])
+  if into then                                                  -- a merged call: "<task id>\\n<message>"
+    local calls = LOCK .. ':m:' .. into
+    for _, call in ipairs(redis.call('LRANGE', calls, 0, -1)) do
+      if string.sub(call, 1, #ARGV[2] + 1) == ARGV[2] .. '\\n' or call == ARGV[2] then  -- (0.2: the id alone)
+        left = left + redis.call('LREM', calls, 1, call)
+      end
+    end
+  end
+  local flat = redis.call('HGETALL', WAITERS)
+  for i = 1, #flat, 2 do
+    local kind, _, _, _, owner = parse(flat[i + 1])
+    if owner == ARGV[2] and kind ~= 'p' then leave(flat[i]) end
+  end
+end
+if reserved == 0 then return {left, 0} end
 redis.call('DEL', LOCK)
-return hand_off(clock(), '', {1})
+return hand_off(clock(), '', {left, 1})
 """
 
 INDEX_DUE = """

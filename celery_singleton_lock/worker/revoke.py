@@ -79,11 +79,11 @@ class RevokeWatch(bootsteps.StartStopStep):
 @dataclass
 class Look:
     """One look for a revoked task id in every line. A look that could not finish (a lock Redis did not
-    answer) is tried again with its ``request_id`` and what it has found: a REMOVE that ran and whose
+    answer) is tried again with its ``request_id`` and what it has found: a LEAVE that ran and whose
     answer was lost then answers as it did (else the waiter it took out would stay WAITING for ever).
 
     The request id is the same on every worker (made from the task id, and ``again`` for the look
-    ``AGAIN`` seconds later): a worker whose look comes after another's REMOVE ran is answered as that
+    ``AGAIN`` seconds later): a worker whose look comes after another's LEAVE ran is answered as that
     one was, and stores REVOKED even if the worker that removed the waiter died before it could."""
 
     task_id: str

@@ -24,7 +24,7 @@ from _slot_faults_support import in_slot
 from _task_support import assert_no_overlap
 
 from celery_singleton_lock.delivery.headers import Turn
-from celery_singleton_lock.engine import dedupe, fresh, layout, line_ops, line_scripts, scripts
+from celery_singleton_lock.engine import dedupe, fresh, layout, line_scripts, scripts
 from celery_singleton_lock.engine import line as queue
 from celery_singleton_lock.exceptions import LockWaitTimeout
 from celery_singleton_lock.testing.servers import wait_until
@@ -227,7 +227,7 @@ def test_an_expired_coalescing_turn_that_cannot_read_its_merged_calls_fails_them
 
 
 def test_a_revoked_waiter_whose_removal_replies_are_lost_ends_revoked(env):
-    """A waiter is revoked; every worker takes it out of its line (REMOVE), and each REMOVE's reply is
+    """A waiter is revoked; every worker takes it out of its line (LEAVE by task id), and each one's reply is
     lost twice (the client's own second send too): the first one removed it. A later look finds
     nothing, so the waiter used to stay WAITING for ever. The look is sent again with its request id,
     and answers as it did the first time: the waiter ends REVOKED, never runs, and the line moves on.
@@ -235,7 +235,7 @@ def test_a_revoked_waiter_whose_removal_replies_are_lost_ends_revoked(env):
     Its line now empty, a sweeper drops the key from its index before the looks are tried again (done
     here at once, as a sweeper does within a second or so): the looks tried again used to list the
     index only, never asked that key again, and the waiter stayed WAITING (seen under load in CI)."""
-    remove = sha_of(line_ops.REMOVE)
+    remove = sha_of(line_scripts.LEAVE)
     k = new_key()
     holder = env.inline.delay(k, 3.0, "holder")
     started(env, k)
@@ -257,8 +257,8 @@ def test_a_revoked_waiter_ends_revoked_when_the_worker_whose_removal_ran_stops_b
     after: it used to find nothing (the waiter had left the line), and the waiter stayed WAITING for ever.
     Every worker's look now carries the same request id, so the later one is answered as the first was:
     the waiter ends REVOKED, and never runs."""
-    remove = sha_of(line_ops.REMOVE)
-    env.locks.client(2).script_load(line_ops.REMOVE)  # (else the first send meets NOSCRIPT: nothing runs)
+    remove = sha_of(line_scripts.LEAVE)
+    env.locks.client(2).script_load(line_scripts.LEAVE)  # (else the first send meets NOSCRIPT: nothing runs)
     first, second = (f"{w.nodename.split('@')[0]}@{socket.gethostname()}" for w in env.workers)
     k = new_key()
     holder = env.inline.delay(k, 2.0, "holder")
