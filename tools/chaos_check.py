@@ -226,12 +226,19 @@ class Checker:
                               f"{done_at.timestamp():.3f}, before this publish began ({call.published:.3f})")
 
 
+RELEASE_WINDOW = 2 * 2.0 + 1.0
+"""How long after a body's end its release may still be on its way: two tries of the default
+``singleton_lock_release_timeout`` (2 s), and 1 s for the scheduling of a loaded host."""
+
+
 def _killed_after_first_end(ends: list[tuple[float, int]], kills: list[Kill]) -> bool:
-    """Was the process of a body's first end SIGKILLed after that end and before the second end?"""
+    """Was the process of a body's first end SIGKILLed after that end, while its release could still be on
+    its way (RELEASE_WINDOW), and before the second end? A kill after that release had its time to
+    reach Redis excuses nothing: the release records that the body ran."""
     if len(ends) != 2:
         return False
     (first, pid), (second, _) = ends
-    return any(kill.pid == pid and first <= kill.at <= second for kill in kills)
+    return any(kill.pid == pid and first <= kill.at <= min(second, first + RELEASE_WINDOW) for kill in kills)
 
 
 def check(calls: dict[str, Call], journal: Any, losses: list[Loss], ttl: float, logdir: Path,
