@@ -11,10 +11,11 @@ second of the server's own CPU time (utime + stime of the redis-server process, 
 of the core the clients managed to fill on a small machine. The achieved rate and the
 server's busy share are given beside it.
 
-- **ours**: the bytes LockServer sends for a task's lock: a fresh delivery's acquire (an ACQUIRE_FRESH
-  EVALSHA: EXISTS line, TIME, SET NX PX) and then its release, a RELEASE_FRESH
-  EVALSHA: GET, EXISTS line, DEL (an early-ack task that succeeded), packed by the package itself (``wire.pack``,
-  ``layout.lock_keys``, ``wire.meta``), so the server runs exactly what a worker makes it run.
+- **ours**: the bytes LockServer sends for a task's lock: a fresh delivery's acquire (an ACQUIRE
+  EVALSHA that runs its fresh path: EXISTS line, TIME, SET NX PX) and then its release, a RELEASE
+  EVALSHA that runs its fresh path: GET, EXISTS line, DEL (an early-ack task that succeeded), packed by the
+  package itself (``wire.pack``, ``layout.lock_keys``, ``wire.meta``), so the server runs exactly what a
+  worker makes it run.
 - **cookbook**: Celery's recipe as the other benchmarks model it: ``SET key token NX EX 60``,
   then a token-checked ``DEL`` run as one script (GET, DEL) by EVALSHA.
 
@@ -120,8 +121,10 @@ def _commands(variant: str, shas: dict[str, str], tag: str, i: int) -> tuple[byt
         digest = hashlib.sha256(f"{tag}:{i}".encode()).hexdigest()[:32]
         keys = layout.lock_keys(f"singleton_lock:bench.ours:{{{digest}}}")
         # what LockServer.acquire sends for a fresh delivery, and its release for a success kept nowhere
-        acquire = wire.pack(shas["acquire"], keys[:2], (token, wire.meta(owner), "30000"))  # ACQUIRE_FRESH
-        release = wire.pack(shas["release"], keys[:2], (token + " ",))  # RELEASE_FRESH: lock and line, 1 argument
+        # ACQUIRE's fresh path: the lock, its line and a reply key (unused by it), 3 arguments
+        acquire = wire.pack(shas["acquire"], (*keys[:2], layout.reply(keys[0], uuid.uuid4().hex[:16])),
+                            (token, wire.meta(owner), "30000"))
+        release = wire.pack(shas["release"], keys[:2], (token + " ",))  # RELEASE's fresh path: 2 keys, 1 argument
         return acquire, release
     key = "cookbook-lock-" + hashlib.md5(f"{tag}:{i}".encode()).hexdigest()
     parts = [b"SET", key.encode(), owner.encode(), b"NX", b"EX", b"60"]
@@ -221,7 +224,7 @@ def instructions(variant: str, tasks: int = 2000, warmup: int = 300) -> float | 
 
     import redis
 
-    from celery_singleton_lock.engine import fresh
+    from celery_singleton_lock.engine import scripts
     from celery_singleton_lock.testing.servers import RedisServer
 
     if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
@@ -234,7 +237,7 @@ def instructions(variant: str, tasks: int = 2000, warmup: int = 300) -> float | 
 
     with Counted().start(timeout=120) as server:
         client = redis.Redis(port=server.port)
-        shas = {"acquire": client.script_load(fresh.ACQUIRE_FRESH), "release": client.script_load(fresh.RELEASE_FRESH),
+        shas = {"acquire": client.script_load(scripts.ACQUIRE), "release": client.script_load(scripts.RELEASE),
                 "cookbook": client.script_load(COOKBOOK_RELEASE)}
         conn = _Conn(server.port)
 
@@ -261,13 +264,13 @@ def instructions(variant: str, tasks: int = 2000, warmup: int = 300) -> float | 
 def run(seconds: float, rounds: int, procs: int, conns: int, warmup: float, counted: int = 2000) -> dict[str, Any]:
     import redis
 
-    from celery_singleton_lock.engine import fresh
+    from celery_singleton_lock.engine import scripts
     from celery_singleton_lock.testing.servers import RedisServer
 
     windows: list[dict[str, Any]] = []
     with RedisServer() as server:
         client = redis.Redis(port=server.port)
-        shas = {"acquire": client.script_load(fresh.ACQUIRE_FRESH), "release": client.script_load(fresh.RELEASE_FRESH),
+        shas = {"acquire": client.script_load(scripts.ACQUIRE), "release": client.script_load(scripts.RELEASE),
                 "cookbook": client.script_load(COOKBOOK_RELEASE)}
         pid = server.proc.pid
         version = client.info("server")["redis_version"]

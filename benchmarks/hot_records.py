@@ -95,8 +95,8 @@ class RawMonitor:
 
 PARK_SHA = hashlib.sha1(line_scripts.PARK.encode()).hexdigest()
 ACQUIRE_SHA = hashlib.sha1(scripts.ACQUIRE.encode()).hexdigest()
-FRESH_SHA = hashlib.sha1(scripts.ACQUIRE_FRESH.encode()).hexdigest()
-"""A fresh delivery's ACQUIRE (2 keys: token, metadata, ttl): its owner is in the metadata."""
+"""ACQUIRE: a fresh delivery's sends three arguments (token, metadata, ttl; its owner is in the metadata),
+any other more."""
 
 
 def _argv(w: list[str]) -> list[str]:
@@ -107,11 +107,11 @@ def _argv(w: list[str]) -> list[str]:
 def _acquire_owner(w: list[str]) -> str | None:
     """The owner id of a MONITORed ACQUIRE (full: its 4th argument; fresh: in its metadata, the
     script's 2nd argument), else None."""
-    if w[0].upper() != "EVALSHA":
+    if w[0].upper() != "EVALSHA" or w[1] != ACQUIRE_SHA:
         return None
-    if w[1] == ACQUIRE_SHA and len(_argv(w)) > 3:
+    if len(_argv(w)) > 3:
         return _argv(w)[3]
-    if w[1] == FRESH_SHA and len(_argv(w)) > 1:
+    if len(_argv(w)) > 1:
         try:
             return json.loads(_argv(w)[1]).get("owner")
         except ValueError:

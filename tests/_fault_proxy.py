@@ -30,9 +30,11 @@ import threading
 import time
 
 
-def sha_of(script: str) -> bytes:
-    """What an EVALSHA of ``script`` carries on the wire: the pattern that arms the proxy for it."""
-    return hashlib.sha1(script.encode()).hexdigest().encode()
+def sha_of(script: str, keys: int = 0) -> bytes:
+    """What an EVALSHA of ``script`` carries on the wire: the pattern that arms the proxy for it.
+    ``keys``: only its calls with that many keys (ACQUIRE's and RELEASE's fresh path: 3 and 2 keys)."""
+    sha = hashlib.sha1(script.encode()).hexdigest().encode()
+    return sha + b"\r\n$%d\r\n%d\r\n" % (len(str(keys)), keys) if keys else sha
 
 
 class FaultProxy:

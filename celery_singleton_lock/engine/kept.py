@@ -13,11 +13,12 @@ returned as it is. Otherwise the script runs, and its reply is kept for :data:`K
 enough for the client's second send, which follows at once on a new connection.
 
 The scripts that are safe to send twice as they are (:data:`AS_IS`) are not wrapped: the renewal
-only extends a TTL its token still holds; the fence is drawn once and then read; a fresh acquire
-(ACQUIRE_FRESH, :mod:`.fresh`) finds the key held by its own token and answers "taken". So an
-uncontended task leaves nothing behind, and pays nothing for the rule.
-The release of an uncontended lock (RELEASE_FRESH) is never sent twice by the client: the task's
-release tries again with ``again``, a full RELEASE that knows its first try (see releasing).
+only extends a TTL its token still holds; marking a hand-off sent finds its mark made. A wrapped
+script may run a fast path ``ahead`` of the lookup: ACQUIRE and RELEASE do for a fresh lock
+(:mod:`.fresh`). A fresh acquire sent twice finds the key held by its own token and answers "taken";
+a fresh release is never sent twice by the client (``once``): the task's release tries again with
+``again``, a whole RELEASE that knows its first try (see releasing). So an uncontended task leaves
+nothing behind, and pays nothing for the rule.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ T = TypeVar("T")
 KEEP_MS = 30_000
 """How long a reply is kept (ms): the client's second send comes within its connect timeout."""
 
-_WRAP = """
+_WRAP = """%s
 -- The last key is this call's reply, kept for a second send of the same call (engine/kept.py).
 local KEPT_REPLY = KEYS[#KEYS]
 local kept_reply = redis.call('GET', KEPT_REPLY)
@@ -54,9 +55,11 @@ AS_IS: set[str] = set()
 """Scripts safe to send twice unwrapped (see the module doc): the client may send them twice."""
 
 
-def kept(script: str) -> str:
-    """``script`` wrapped so that a second send of one call returns the first send's reply."""
-    wrapped = _WRAP % (script, KEEP_MS)
+def kept(script: str, ahead: str = "") -> str:
+    """``script`` wrapped so that a second send of one call returns the first send's reply. ``ahead``
+    runs first, unwrapped: a fast path that returns only for calls it answers whole, each safe to send
+    twice as it is or never sent twice (:mod:`.fresh`)."""
+    wrapped = _WRAP % (ahead, script, KEEP_MS)
     KEPT.add(wrapped)
     return wrapped
 

@@ -16,7 +16,8 @@ every key below lives in K's hash slot and no script touches two slots):
     kind ``t`` a parked task (message: the task message to send again),
     ``s`` a redelivered copy of the running task (dropped if it succeeds),
     ``p`` plain code blocked in ``held(..., wait=...)`` (woken through
-    ``K:wake:<entry>``); state ``p`` parked (a task still waiting in its worker
+    ``K:wake:<entry>``, and there while its ``K:b:<entry>``, which it renews, lives);
+    state ``p`` parked (a task still waiting in its worker
     slot while ``K:b:<entry>`` lives, ``lock_wait_in_slot``, is woken there through
     ``K:wake:<entry>`` to claim the key reserved for it, and no message is sent unless
     the reservation runs out), ``n`` sent ahead of its turn, ``h`` handed the key (its
@@ -105,7 +106,7 @@ def gone(key: str) -> str:
 
 
 def wake(key: str, entry: str) -> str:
-    """``K:wake:<entry>``: where a plain waiter blocks until it is handed the key."""
+    """``K:wake:<entry>``: where a waiter in its slot, or plain code, blocks until it is handed the key."""
     return f"{key}:wake:{entry}"
 
 
@@ -126,7 +127,8 @@ def merged_into(key: str, task_id: str) -> str:
 
 
 def blocking(key: str, entry: str) -> str:
-    """``K:b:<entry>``: waiter ``entry`` still waits in its worker slot (``lock_wait_in_slot``) while this lives."""
+    """``K:b:<entry>``: waiter ``entry`` still waits in its worker slot (``lock_wait_in_slot``), or plain code
+    in ``held(..., wait=...)``, while this lives."""
     return f"{key}:b:{entry}"
 
 

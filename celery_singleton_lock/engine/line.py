@@ -34,7 +34,9 @@ lost, and sends the lost ones again (:meth:`Sweeper._prune`).
 
 Plain code that waits (:func:`wait_turn`) blocks on BLPOP of its wake-up
 list: woken by the release, never sleep-polling. It looks again when the
-holder's TTL runs out, in case the holder died.
+holder's TTL runs out, in case the holder died. It waits as a task in its
+worker slot does, with a mark that says it is there; it renews the mark while
+it lives, so a waiter that died is passed over once its mark runs out.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ SWEEP_BATCH = 100
 LONGEST_BLOCK = 5.0
 """Longest single BLPOP of a plain waiter (below the client's socket timeout)."""
 PLAIN_LEASE = 2 * LONGEST_BLOCK + 1.0
-"""Seconds a plain waiter's place outlives its last sign of life (it renews it every LONGEST_BLOCK):
-a waiter that died stops blocking the key after this, not after its whole ``wait``."""
+"""Seconds a plain waiter's mark (``K:b:<entry>``, as a task waiting in its worker slot has) outlives
+its last sign of life: it renews it every LONGEST_BLOCK, so a waiter that died stops blocking the key
+after this, not after its whole ``wait``."""
 
 
 class Park(Enum):
@@ -176,7 +179,7 @@ def park(
     message joins its merged calls instead (MERGED; see :mod:`.dedupe`).
     ``block`` > 0: the task goes on waiting in its worker slot that many seconds
     (:func:`wait_in_slot`); a hand-off meanwhile wakes it there, to claim the key, instead of sending
-    its message.
+    its message. Plain code parks with its lease as ``block``, and renews it while it waits.
     """
     if "\n" in owner_id:
         raise ValueError(f"an owner id cannot contain a newline: {owner_id!r}")
@@ -339,16 +342,16 @@ def _wait_step(server: LockServer, name: str, ttl: float, owner_id: str | None, 
     if at.entry is None:
         at.entry = new_entry()
         at.alive_at = time.monotonic()
-        if park(server, name, at.entry, kind="p", wait=min(left, PLAIN_LEASE), ttl=ttl,
-                owner_id=owner_id or at.entry).found is Park.FREE:
+        if park(server, name, at.entry, kind="p", wait=left, ttl=ttl, owner_id=owner_id or at.entry,
+                block=PLAIN_LEASE).found is Park.FREE:
             at.entry = None  # it was freed meanwhile: take it
         return None
-    if time.monotonic() - at.alive_at >= LONGEST_BLOCK:  # still here: its place lives on
+    if time.monotonic() - at.alive_at >= LONGEST_BLOCK:  # still here: its mark lives on
         at.alive_at = time.monotonic()
-        lease = ms(min(left, PLAIN_LEASE))
-        if not server.run(line_scripts.TOUCH, server.keys_for(slot_safe(name)), (at.entry, lease)):
-            at.entry = None
-            return None
+        try:  # (safe to send twice; gone when it was woken, or dropped: the next look says which)
+            server.client.pexpire(layout.blocking(slot_safe(name), at.entry), ms(PLAIN_LEASE))
+        except REDIS_ERRORS as exc:
+            raise server.error(exc, name) from exc
     # woken by the hand-off, or look again when the holder would expire if it died
     expiry = (at.last.ttl_ms / 1000 if at.last is not None and at.last.ttl_ms > 0 else LONGEST_BLOCK) + 0.05
     block = max(0.01, min(left, expiry, LONGEST_BLOCK))

@@ -18,7 +18,8 @@ PARK = _KEYS + """
 -- the call joins that waiter's merged calls (LOCK:m:<its owner>; LOCK:mo:<task id> says where it
 -- went, so it joins once) and {4, entry, owner} is returned.
 -- ARGV[11] ms the task waits in its worker slot ('0' none): its mark LOCK:b:<entry> lives that long;
--- a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message.
+-- a hand-off meanwhile wakes it there (LOCK:wake:<entry>) instead of sending its message. Plain code
+-- (kind p) always has a mark, which it renews while it waits: a plain waiter whose mark ran out died.
 -- Returns {0} when the key is free and nobody waits (take it instead), {5} when the key is reserved
 -- for this entry (its copy, ARGV[8]: claim it),
 -- {2, place (0: out of line, its copy on its way)} when the entry is parked
@@ -87,28 +88,12 @@ end
 return {1, place}
 """
 
-TOUCH = _KEYS + """
--- ARGV[1] entry id, ARGV[2] lease ms. A plain waiter (held(..., wait=...)) is
--- alive: its record's deadline moves to now + lease, so one that died leaves the
--- line within its lease, not its whole wait. Returns 1, or 0 if it is gone.
-local rec = redis.call('HGET', WAITERS, ARGV[1])
-if not rec then return 0 end
-local head, rest = string.match(rec, '^(..)\\n%d+\\n(.*)$')
-local until_ms = string.format('%.0f', clock() + tonumber(ARGV[2]))
-redis.call('HSET', WAITERS, ARGV[1], head .. '\\n' .. until_ms .. '\\n' .. rest)
-local keep = tonumber(ARGV[2]) + 60000                          -- as PARK: the line outlives it
-for _, key in ipairs({WAITERS, LINE}) do
-  if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
-end
-return 1
-"""
-
 SWEEP = _HAND_OFF + """
 -- For the sweeper: pass the key on if its holder died or a reservation ran
 -- out (a turn never sent, or sent longer ago than the turn timeout), and time
 -- out EVERY waiter past its deadline, wherever it stands (also one whose turn
 -- passed on while its copy was on its way), except the one the key is
--- reserved for: its turn came. O(waiters) per look.
+-- reserved for: its turn came; and plain code whose mark ran out (it died). O(waiters) per look.
 -- Returns {next look (ms; 0: nobody waits), hand-offs...}.
 if redis.call('EXISTS', LINE) == 0 and redis.call('EXISTS', WAITERS) == 0 then return {0} end
 local now = clock()
@@ -123,7 +108,7 @@ for i = 1, #flat, 2 do
   local e, rec = flat[i], flat[i + 1]
   local kind, state, deadline = parse(rec)
   if string.sub(held, 1, #e + 2) ~= '~' .. e .. ' ' then
-    if deadline <= now then
+    if deadline <= now or (kind == 'p' and redis.call('EXISTS', LOCK .. ':b:' .. e) == 0) then
       redis.call('LREM', LINE, 1, e)
       gone(e)
       if kind == 't' then out[#out + 1] = {'expired', e, rec} end
@@ -249,8 +234,8 @@ return 1
 # Every call of these is safe to send twice (engine/kept.py). These keep their reply under the call's
 # request id: a second send returns the first one's.
 PARK, SWEEP, UNBLOCK, LEAVE = map(kept, (PARK, SWEEP, UNBLOCK, LEAVE))
-# These are safe as they are, and keep nothing: TOUCH sets a deadline from now; CONFIRM finds its
-# mark made; INDEX_DONE sets scores; INDEX_DUE sent twice finds the keys its first send leased (their
-# score moved), so they are looked at when that lease ends, SWEEP_LEASE later. (A key joins the index
-# by a plain ZADD, score 0: line.announce.)
-TOUCH, CONFIRM, INDEX_DUE, INDEX_DONE = map(as_is, (TOUCH, CONFIRM, INDEX_DUE, INDEX_DONE))
+# These are safe as they are, and keep nothing: CONFIRM finds its mark made; INDEX_DONE sets scores;
+# INDEX_DUE sent twice finds the keys its first send leased (their score moved), so they are looked at
+# when that lease ends, SWEEP_LEASE later. (A key joins the index by a plain ZADD, score 0:
+# line.announce; a plain waiter renews its mark by a plain PEXPIRE: line._wait_step.)
+CONFIRM, INDEX_DUE, INDEX_DONE = map(as_is, (CONFIRM, INDEX_DUE, INDEX_DONE))

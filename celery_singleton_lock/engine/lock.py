@@ -73,7 +73,7 @@ class Release(Enum):
 
 
 class Forced(Enum):
-    """What an operator's force-release found: FORCE_RELEASE's status, decoded once."""
+    """What an operator's force-release found (a RELEASE in the holder's name: its status), decoded once."""
 
     RELEASED = 1
     """The key's lock is deleted (and the key passed on, as a release would)."""
@@ -213,8 +213,8 @@ class Lock:
     acquired_at: float = field(default=-1.0, repr=False)
     """``time.monotonic()`` when the acquire was sent (how long it was held: RELEASE's ``presend``)."""
     fresh: bool = field(default=False, repr=False)
-    """Taken by a fresh delivery's acquire (ACQUIRE_FRESH): nobody was in line, so its release tries the
-    lightest script first."""
+    """Taken by a fresh delivery's acquire (fresh.py): nobody was in line, so its release tries the
+    fresh path first (fresh.py)."""
     depth: int = 1
     """How many nested holds of its thread share this handle (see :mod:`~celery_singleton_lock.engine.reentry`):
     1 for the outermost; only the outermost exit releases."""

@@ -1,4 +1,4 @@
-"""The Lua scripts of one lock: take it, release it (passing the key on), renew it, force it free.
+"""The Lua scripts of one lock: take it, release it (passing the key on), renew it.
 The waiting line's own scripts (park, sweep, leave...) are in :mod:`.line_scripts`.
 
 Where each key lives and what its records hold is :mod:`celery_singleton_lock.engine.layout`
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fresh import ACQUIRE_FRESH as ACQUIRE_FRESH  # re-exported: the fresh delivery's ACQUIRE
-from .fresh import FRESH_RELEASE
+from .fresh import FRESH_ACQUIRE, FRESH_RELEASE
 from .kept import as_is, kept
 
 # Shared by every script of one lock. KEYS: lock, line, waiters, done.
@@ -72,13 +71,17 @@ local function hand_off(now, drop_owner, out)
       redis.call('LPOP', LINE)
       gone(e)
       if kind == 't' then out[#out + 1] = {'expired', e, rec} end
+    elseif kind == 'p' and redis.call('EXISTS', LOCK .. ':b:' .. e) == 0 then
+      -- plain code whose mark ran out: it stopped renewing it (it died): it leaves
+      redis.call('LPOP', LINE)
+      gone(e)
     else
       local reserved = cjson.encode({owner = owner, reserved = true, by = handed_by})
       redis.call('SET', LOCK, '~' .. e .. ' 0 ' .. reserved, 'PX', ttl)
       if state == 'p' and redis.call('DEL', LOCK .. ':b:' .. e) == 1 then
-        -- a task still waiting in its worker slot (its mark lived): woken there to claim the key
-        -- reserved for it, its mark gone (nothing to send; if it never claims, the reservation runs
-        -- out and SWEEP sends its message, as for any parked task)
+        -- a task still waiting in its worker slot, or plain code (its mark lived): woken there to
+        -- claim the key reserved for it, its mark gone (nothing to send; if a task never claims, the
+        -- reservation runs out and SWEEP sends its message, as for any parked task)
         redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
         redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
       elseif state == 'n' then
@@ -86,10 +89,6 @@ local function hand_off(now, drop_owner, out)
         redis.call('HSET', WAITERS, e, kind .. 'c' .. string.sub(rec, 3))
       else
         redis.call('HSET', WAITERS, e, kind .. 'h' .. string.sub(rec, 3))
-        if kind == 'p' then                                     -- plain code, blocked on its wake-up list
-          redis.call('RPUSH', LOCK .. ':wake:' .. e, '1')
-          redis.call('PEXPIRE', LOCK .. ':wake:' .. e, ttl)
-        end
         out[#out + 1] = {'run', e, rec}
       end
       if presend then
@@ -114,7 +113,7 @@ ACQUIRE = _HAND_OFF + """
 -- ARGV[6] the token of an earlier attempt whose reply was lost ('' none),
 -- ARGV[7] '1' to drop the owner if it already succeeded here (a redelivery),
 -- ARGV[8] '1' when the entry's first delivery claims from its worker slot (see below).
--- (A fresh delivery runs ACQUIRE_FRESH instead.)
+-- (A fresh delivery sends three arguments, and is answered ahead of this: fresh.FRESH_ACQUIRE.)
 -- Returns {1, fence} taken; {0, value, pttl} held (value '' and pttl -2: free,
 -- but waiters are in line); {2, value or nil} already succeeded (value: what
 -- its body returned, if recorded); {3} the entry is gone.
@@ -145,8 +144,8 @@ elseif entry ~= '' then
   while head and head ~= entry do
     local rec = redis.call('HGET', WAITERS, head)
     if rec then
-      local kind, state, deadline = parse(rec)
-      if kind ~= 'p' or deadline > now then break end           -- a live waiter ahead
+      local kind = parse(rec)
+      if kind ~= 'p' or redis.call('EXISTS', LOCK .. ':b:' .. head) == 1 then break end  -- a live waiter ahead
     end
     redis.call('LPOP', LINE)                                    -- a dead plain waiter
     redis.call('HDEL', WAITERS, head)
@@ -174,7 +173,7 @@ redis.call('SET', LOCK, ARGV[1] .. ' ' .. fence .. ' ' .. ARGV[2], 'PX', ARGV[3]
 return {1, fence}
 """
 
-RELEASE = FRESH_RELEASE + _HAND_OFF + """
+RELEASE = _HAND_OFF + """
 -- ARGV[1] "<token> ", ARGV[2] owner id, ARGV[3] '1' if the holder succeeded,
 -- ARGV[4] ms to remember that success ('0': not needed), ARGV[5] what the body
 -- returned, serialised ('' none), ARGV[6] '1' when this is a retry of a release
@@ -183,9 +182,10 @@ RELEASE = FRESH_RELEASE + _HAND_OFF + """
 -- ARGV[8] ms of cooldown ('0' none): the key stays taken that long, by nobody,
 -- ARGV[9] '1' when the hold was short (the client measured it against lock_wait_in_slot): the task
 -- second in line is sent ahead of its turn (state 'n'), to wait for it in a worker slot.
--- Returns {deleted, hand-offs...} (or a bare 1: deleted, nothing else to do): deleted 1 it was
--- ours, 0 it was gone already, -1 another holds it. The key passes to the next waiter here, or,
--- after a cooldown, through the sweeper once the cooldown has run out.
+-- (A fresh lock's release sends one argument, and is answered ahead of this: fresh.FRESH_RELEASE.)
+-- Returns {deleted, hand-offs...}: deleted 1 it was ours, 0 it was gone already, -1 another holds it.
+-- The key passes to the next waiter here, or, after a cooldown, through the sweeper once the cooldown
+-- has run out.
 handed_by = string.sub(ARGV[1], 1, -2)
 local held = redis.call('GET', LOCK)
 local deleted = 0
@@ -267,30 +267,8 @@ def renewed(reply: Any) -> list[bool]:
     return [c == 49 for c in reply]  # b"1"
 
 
-FORCE_RELEASE = _HAND_OFF + """
--- For operators (`celery locks release`): delete the lock whoever holds it, then
--- pass the key to the next waiter exactly as RELEASE does.
--- ARGV[1] the value's expected start (the holder's "<token> " the operator was
--- shown), or '' for whoever holds it now.
--- Returns {deleted, value, hand-offs...}: deleted 1 (value: what was deleted),
--- 0 there was no lock, -1 another holder took it since it was shown (nothing done).
-local held = redis.call('GET', LOCK)
-local deleted = 0
-if held then
-  if ARGV[1] ~= '' and string.sub(held, 1, #ARGV[1]) ~= ARGV[1] then return {-1, held} end
-  redis.call('DEL', LOCK)
-  deleted = 1
-end
-if redis.call('EXISTS', LINE) == 0 then return {deleted, held or ''} end
-return hand_off(clock(), '', {deleted, held or ''})
-"""
-
-# -- quorum mode (quorum.py): the same lock value on each of N independent masters ------------------
-
 # Each call of these is safe to send twice (engine/kept.py): the changes keep their reply under the
 # call's request id; the renewal only extends what its token still holds.
-ACQUIRE = kept(ACQUIRE)
-RELEASE = kept(RELEASE)
-FORCE_RELEASE_KEPT = kept(FORCE_RELEASE)
-"""FORCE_RELEASE on one Redis (the quorum's fan-out sends FORCE_RELEASE itself, once per member)."""
+ACQUIRE = kept(ACQUIRE, ahead=FRESH_ACQUIRE)
+RELEASE = kept(RELEASE, ahead=FRESH_RELEASE)
 RENEW_MANY = as_is(RENEW_MANY)

@@ -22,7 +22,6 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..exceptions import LockBackendUnavailable, LockError
-from . import fresh as fresh_path
 from . import layout, line_scripts, scripts, wire
 from .addresses import redact_url
 from .backend import ForceReleased, HandoffSender
@@ -152,8 +151,8 @@ class LockServer(ScriptClient):
         sent = time.monotonic()
         try:
             fresh = not (entry or take_back or check_done)
-            if fresh:  # a fresh delivery: the small script
-                reply: Any = self.run(scripts.ACQUIRE_FRESH, (key, layout.line(key)),
+            if fresh:  # a fresh delivery: three arguments, the script's fresh path (see fresh.py)
+                reply: Any = self.run(scripts.ACQUIRE, (key, layout.line(key)),
                                       (token, wire.meta(owner_id), ms(ttl)), replicated=True)
             else:
                 reply = self.run(
@@ -173,10 +172,10 @@ class LockServer(ScriptClient):
 
     def _outcome(self, key: str, token: str, ttl: float, owner_id: str | None, sent: float,
                  reply: Any) -> Lock | Holder | Verdict | Done:
-        """An acquire's reply, decoded: taken (the fence alone, from ACQUIRE_FRESH; or {1, fence}), held
+        """An acquire's reply, decoded: taken (the fence alone, from the fresh path; or {1, fence}), held
         ({0, value, pttl}, hand-offs after it when a take-back handed the key on), done ({2, value}) or
         the entry gone ({3})."""
-        if type(reply) is int:  # ACQUIRE_FRESH's reply when taken: the fence alone
+        if type(reply) is int:  # the fresh path's reply when taken: the fence alone
             status, fence = 1, reply
         else:
             status = int(reply[0])
@@ -239,7 +238,7 @@ class LockServer(ScriptClient):
         if lock.pid != os.getpid():
             return Released(Release.NOT_HERE)
         if lock.fresh and not (remember or again or cooldown):  # the lightest way
-            if self.run(fresh_path.RELEASE_FRESH, (lock.key, layout.line(lock.key)), (lock.prefix,)) == 1:
+            if self.run(scripts.RELEASE, (lock.key, layout.line(lock.key)), (lock.prefix,), once=True) == 1:
                 lock.released = True
                 return Released(Release.DELETED)  # (else: a line, or gone)
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",
@@ -364,11 +363,24 @@ class LockServer(ScriptClient):
         """None: its locks are Redis keys, which the operators' commands read on :meth:`nodes`."""
 
     def force_release(self, key: str, expected: str = "") -> ForceReleased:
-        """For operators (see :class:`~.backend.LockBackend`): one script deletes the lock and hands the
-        key to the next waiter, whose message this sends. Raises the LockError of an unreachable Redis."""
-        reply = self.run(scripts.FORCE_RELEASE_KEPT, self.keys_for(key), (expected,))
-        status, value = Forced(int(reply[0])), reply[1]
-        handoffs = tuple(Handoff.parse(key, item) for item in reply[2:]) if status is not Forced.CHANGED_HANDS else ()
+        """For operators (see :class:`~.backend.LockBackend`): the holder's own RELEASE, sent in its name
+        (``expected``, the "<token> " the operator was shown; else whoever holds it now, read first), so
+        the key passes to the next waiter as at any release, and this sends its message. A key that changed
+        hands between the read and the release is read again (three times at most). Raises the LockError
+        of an unreachable Redis."""
+        for _ in range(3):
+            try:
+                raw = self.client.get(key)
+            except REDIS_ERRORS as exc:
+                raise self.error(exc, key) from exc
+            value = raw if isinstance(raw, bytes) else str(raw or "").encode()
+            # in whose name: the one shown, the one read, or (nothing read) no one: a lock taken meanwhile
+            # is not deleted unseen ("\n" starts no lock's value)
+            name = expected or (value.split(b" ", 1)[0].decode() + " " if value else "\n")
+            reply = self.run(scripts.RELEASE, self.keys_for(key), (name, "", "0", "0", "", "0", "0", "0", "0"))
+            status = Forced(int(reply[0]))
+            if status is not Forced.CHANGED_HANDS or expected:
+                break
+        handoffs = tuple(Handoff.parse(key, item) for item in reply[1:])
         self.dispatch(handoffs)  # publishes the waiting task the key was handed to
-        raw = value if isinstance(value, bytes) else str(value or "").encode()
-        return ForceReleased(status, raw, int(status is Forced.RELEASED), handoffs)
+        return ForceReleased(status, value, int(status is Forced.RELEASED), handoffs)

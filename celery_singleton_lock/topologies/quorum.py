@@ -350,9 +350,8 @@ class QuorumLockServer:
         """For operators: delete ``key``'s lock on every member, whoever holds it (only where it
         starts with ``expected``, when given): RELEASED (on at least one member: the value deleted,
         on how many), NO_LOCK, or CHANGED_HANDS (nothing deleted). No line: nothing is handed on."""
-        keys = layout.lock_keys(key)
         every = range(len(self.members))
-        replies = self._fan_out(scripts.FORCE_RELEASE, [(keys, (expected,))], lambda r: False, force=every)
+        replies = self._fan_out(qlua.Q_FORCE, [((key,), (expected,))], lambda r: False, force=every)
         answered = [r for r in replies if _ok(r)]
         if len(answered) < self.majority:
             errors = [r for r in replies if not _ok(r)]
@@ -392,7 +391,7 @@ def _proposal() -> int:
     return time.time_ns() // 1000
 
 
-_SCRIPTS = (qlua.Q_ACQUIRE, qlua.Q_FENCE, qlua.Q_RELEASE, scripts.RENEW_MANY, scripts.FORCE_RELEASE)
+_SCRIPTS = (qlua.Q_ACQUIRE, qlua.Q_FENCE, qlua.Q_RELEASE, scripts.RENEW_MANY, qlua.Q_FORCE)
 """What a quorum sends its members (each member's connection loads them as it connects)."""
 
 

@@ -3,8 +3,8 @@
 Each member is a plain Redis of its own, so these scripts know nothing of the waiting line; they
 keep a lock, a fencing floor (``K:f``), a tombstone for a release that did not find its lock
 (``K:x:<token>``) and, per member, when its data began (``SINCE``): see
-:mod:`celery_singleton_lock.engine.layout`. The batched renewal and the operators' force-release
-are the single server's own (``RENEW_MANY``, ``FORCE_RELEASE`` in the engine's scripts).
+:mod:`celery_singleton_lock.engine.layout`. The batched renewal is the single server's own
+(``RENEW_MANY`` in the engine's scripts).
 """
 
 from __future__ import annotations
@@ -106,4 +106,16 @@ end
 local rest = string.match(held, '^%S+ %d+ (.*)$') or ''
 redis.call('SET', KEYS[1], ARGV[1] .. ARGV[2] .. ' ' .. rest, 'KEEPTTL')
 return 1
+"""
+
+
+Q_FORCE = """
+-- For operators (`celery locks release`): KEYS[1] lock; ARGV[1] the value's expected start (the holder's
+-- "<token> " the operator was shown), or '' for whoever holds it now. A member keeps no line: nothing is
+-- handed on. Returns {1, value} deleted, {0, ''} no lock, {-1, value} another holds it (nothing done).
+local held = redis.call('GET', KEYS[1])
+if not held then return {0, ''} end
+if ARGV[1] ~= '' and string.sub(held, 1, #ARGV[1]) ~= ARGV[1] then return {-1, held} end
+redis.call('DEL', KEYS[1])
+return {1, held}
 """

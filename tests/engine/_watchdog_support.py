@@ -9,13 +9,12 @@ import hashlib
 import threading
 import time
 
-from celery_singleton_lock.engine.fresh import RELEASE_FRESH
 from celery_singleton_lock.engine.lock import Lock
 from celery_singleton_lock.engine.scripts import RELEASE, RENEW_MANY
 from celery_singleton_lock.testing.servers import Monitor, RedisServer, wait_until
 
 RENEW_SHA = hashlib.sha1(RENEW_MANY.encode()).hexdigest()
-RELEASE_SHAS = {hashlib.sha1(script.encode()).hexdigest() for script in (RELEASE, RELEASE_FRESH)}
+RELEASE_SHAS = {hashlib.sha1(RELEASE.encode()).hexdigest()}
 SLACK = 1.0  # seconds of scheduling noise we tolerate on a loaded machine (never a speed claim)
 WD_LOGGER = "celery_singleton_lock.watchdog"
 LOST_LOGGER = "celery_singleton_lock"  # the ERROR line of a loss: the handle logs it, wherever it was found

@@ -198,7 +198,8 @@ def test_release_of_a_fresh_holder_hands_the_key_to_a_waiter_that_parked_behind_
     holder = server.acquire(name, 5, owner_id="holder")
     assert isinstance(holder, Lock) and holder.fencing_token  # (drawn now, on first read)
     taken_as = server.holder(name).raw
-    assert queue.park(server, name, "p-waiter", kind="p", wait=30, ttl=5, owner_id="waiter").place == 1
+    assert queue.park(server, name, "p-waiter", kind="t", wait=30, ttl=5, owner_id="waiter",
+                      message=b"its message").place == 1
     found = server.holder(name)
     assert found.owner_id == "holder" and found.raw == taken_as  # parking behind it left it as taken
     assert found.fencing_token == holder.fencing_token

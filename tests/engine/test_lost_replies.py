@@ -60,11 +60,11 @@ def pair() -> Iterator[Pair]:
             proxy.close()
 
 
-def twice(pair: Pair, script: str, scenario: Callable[[LockServer, str], Any]) -> tuple[Any, Any]:
+def twice(pair: Pair, script: str, scenario: Callable[[LockServer, str], Any], keys: int = 0) -> tuple[Any, Any]:
     """``scenario`` on a fresh key, cleanly; then on another fresh key with ``script``'s reply lost
-    once. Both answers, the fault checked to have happened."""
+    once (only a call of it with ``keys`` keys, if given). Both answers, the fault checked to have happened."""
     clean = scenario(pair.faulty, f"clean-{uuid.uuid4().hex}")
-    pattern = sha_of(script)
+    pattern = sha_of(script, keys)
     pair.proxy.arm(pattern, 1)
     lost = scenario(pair.faulty, f"lost-{uuid.uuid4().hex}")
     assert pair.proxy.left(pattern) == 0, "the reply was not dropped: the test did not run its fault"
@@ -139,7 +139,7 @@ def test_a_release_sent_twice_is_not_a_lost_lock(pair):
         released = server.release(holder)
         return released.status, [(h.what, h.entry == entry) for h in released.handoffs], len(pair.sent)
 
-    clean, lost = twice(pair, scripts.RELEASE, release)
+    clean, lost = twice(pair, scripts.RELEASE, release, keys=5)  # the whole RELEASE (the fresh path answers 0)
     assert clean == (Release.DELETED, [("run", True)], 1)
     assert lost == clean, f"a release sent twice answered {lost!r}, not {clean!r}"
 
@@ -167,13 +167,12 @@ def test_only_scripts_safe_to_send_twice_are_sent_twice(pair):
     """The release of an uncontended lock is not kept, so the client never sends it twice: its reply
     lost, the caller is told the server was unreachable (the task's release then tries again with a full
     RELEASE that knows its first try), rather than a second send answering "not ours"."""
-    from celery_singleton_lock.engine import fresh
     from celery_singleton_lock.exceptions import LockBackendUnavailable
 
     name = f"fresh-{uuid.uuid4().hex}"
     lock = pair.faulty.acquire(name, 10, owner_id="holder")
     assert isinstance(lock, Lock) and lock.fresh, "the fresh path was not taken: the test proves nothing"
-    pattern = sha_of(fresh.RELEASE_FRESH)
+    pattern = sha_of(scripts.RELEASE, keys=2)  # its fresh path: the lock and its line
     pair.proxy.arm(pattern, 1)
     with pytest.raises(LockBackendUnavailable):
         pair.faulty.release(lock)
@@ -194,12 +193,12 @@ def _deadline(pair: Pair, waiters: str, entry: str) -> int:
 
 
 def test_a_fresh_acquire_sent_twice_takes_the_key(pair):
-    """The fresh ACQUIRE script sent twice finds the key held by its own token: it answers "taken" with
+    """A fresh acquire (ACQUIRE's fresh path) sent twice finds the key held by its own token: it answers "taken" with
     the first send's fence, not "held by another"."""
     def take(server: LockServer, name: str) -> Any:
         got = server.acquire(name, 10, owner_id="one")
         return type(got).__name__, isinstance(got, Lock) and got.fencing_token > 0
 
-    clean, lost = twice(pair, scripts.ACQUIRE_FRESH, take)
+    clean, lost = twice(pair, scripts.ACQUIRE, take)
     assert clean == ("Lock", True)
     assert lost == clean, f"a fresh acquire sent twice answered {lost!r}"

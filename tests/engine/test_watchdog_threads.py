@@ -253,7 +253,7 @@ def test_no_renewal_ever_follows_a_release(fresh_redis, server, wd):
     for i, words in enumerate(records):
         if len(words) > 3 and words[0].upper() == "EVALSHA":
             keys = words[3 : 3 + int(words[2])]
-            if words[1] in RELEASE_SHAS:  # (a fresh lock's release is the short RELEASE_FRESH)
+            if words[1] in RELEASE_SHAS:  # (a fresh lock's release too: RELEASE's fresh path)
                 released_at[keys[0]] = i
             elif words[1] == RENEW_SHA:
                 for key in keys:

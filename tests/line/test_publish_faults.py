@@ -12,7 +12,7 @@ from _clusters import new_key, runs
 from _fault_proxy import sha_of
 from _task_support import assert_no_overlap
 
-from celery_singleton_lock.engine import dedupe, fresh, scripts
+from celery_singleton_lock.engine import dedupe, scripts
 from celery_singleton_lock.testing.servers import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -55,7 +55,7 @@ def test_a_lock_its_call_could_not_release_is_not_joined_once_the_call_ended(env
     result backend says the call ended: the later publish is a call of its own. With ``lost``, the
     reply of its second PUBLISH (the one passing over the ended call: only it carries that id) is lost;
     sent again, it answers as the first send did (marked), not "queued" with the later call's own id."""
-    fresh_release, release = sha_of(fresh.RELEASE_FRESH), sha_of(scripts.RELEASE)
+    fresh_release, release = sha_of(scripts.RELEASE, keys=2), sha_of(scripts.RELEASE, keys=5)
     k = new_key()
     env.proxy.refuse(fresh_release, 1)
     env.proxy.refuse(release, 2)  # (a kept script is sent once more on a new connection)

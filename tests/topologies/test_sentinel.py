@@ -28,7 +28,7 @@ from celery import Celery
 from celery_singleton_lock import LockedTask
 from celery_singleton_lock.delivery import config
 from celery_singleton_lock.engine.lock import Lock, Release, slot_safe
-from celery_singleton_lock.engine.scripts import ACQUIRE_FRESH
+from celery_singleton_lock.engine.scripts import ACQUIRE
 from celery_singleton_lock.exceptions import LockBackendUnavailable
 from celery_singleton_lock.testing.servers import wait_until
 from celery_singleton_lock.topologies import servers
@@ -111,7 +111,7 @@ def test_a_failover_is_followed_by_the_hot_path_and_the_watchdog(sentinel):
         assert isinstance(after, Lock)
         with new.client(LOCK_DB) as c:
             assert c.exists(after.key), "taken on the new master after READONLY"
-            assert c.script_exists(plain._shas[ACQUIRE_FRESH]) == [True]  # a fresh acquire's script
+            assert c.script_exists(plain._shas[ACQUIRE]) == [True]  # a fresh acquire's script
         assert after.fencing_token > before, "tokens keep growing across the failover (one clock here)"
         # every watchdog twin renews on the new master: the TTL there is set again
         with new.client(LOCK_DB) as c:
