@@ -348,8 +348,11 @@ def _wait_step(server: LockServer, name: str, ttl: float, owner_id: str | None, 
         return None
     if time.monotonic() - at.alive_at >= LONGEST_BLOCK:  # still here: its mark lives on
         at.alive_at = time.monotonic()
-        try:  # (safe to send twice; gone when it was woken, or dropped: the next look says which)
-            server.client.pexpire(layout.blocking(slot_safe(name), at.entry), ms(PLAIN_LEASE))
+        mark = layout.blocking(slot_safe(name), at.entry)
+        try:  # (each safe to send twice) its mark gone: woken (its claim deletes the new one), or it ran
+            # out in a stall (set again, so it is not passed over while it lives), or it was dropped
+            if not server.client.pexpire(mark, ms(PLAIN_LEASE)):
+                server.client.set(mark, "1", nx=True, px=ms(PLAIN_LEASE))
         except REDIS_ERRORS as exc:
             raise server.error(exc, name) from exc
     # woken by the hand-off, or look again when the holder would expire if it died

@@ -246,8 +246,6 @@ class LockServer(ScriptClient):
                 "1" if presend and time.monotonic() - lock.acquired_at <= presend else "0")
         reply = self.run(scripts.RELEASE, self.keys_for(lock.key), args, request_id=request_id)
         lock.released = True
-        if type(reply) is int:  # deleted, and nothing else to do (no line, no success to remember)
-            return Released(Release(reply))
         handoffs = tuple(Handoff.parse(lock.key, item) for item in reply[1:])
         self.dispatch(handoffs)
         return Released(Release(int(reply[0])), handoffs)

@@ -139,8 +139,8 @@ def read_one(target: Target, key: str, task: str) -> dict[str, Any] | None:
 
 def in_slot(target: Target, key: str, records: dict[bytes, bytes], client: Any = None) -> set[bytes]:
     """The parked waiters of ``key`` still waiting in their worker slot (``lock_wait_in_slot``): those
-    whose slot mark lives. One pipelined read, none if nobody is parked."""
-    parked = [entry for entry, record in records.items() if record[1:2] == b"p"]
+    whose slot mark lives (plain code has one too: not counted). One pipelined read, none if nobody is parked."""
+    parked = [entry for entry, record in records.items() if record[1:2] == b"p" and record[0:1] != b"p"]
     if not parked:
         return set()
 

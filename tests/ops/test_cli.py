@@ -112,6 +112,44 @@ def test_every_prefix_of_the_app_is_looked_at(redis_server, caplog, lock_backend
 
 
 
+@pytest.mark.timeout(60)
+def test_show_names_plain_code_waiting_as_parked_not_as_in_a_worker_slot(redis_server):
+    """Plain code waiting in ``held(..., wait=...)`` keeps a mark alive as a task waiting in its worker
+    slot does; ``locks show`` still names it parked plain code, not a task waiting in its worker slot."""
+    import threading
+
+    from celery_singleton_lock import held
+
+    app = make_app(redis_server, singleton_lock_prefix=f"app{uuid.uuid4().hex[:6]}")
+
+    @locked(app, name="t.plain")
+    def plain(self, n):
+        return n
+
+    key = plain.lock_key_for([1])
+    server = plain.lock_server()
+    holder = server.acquire(key, 30, owner_id="holder")
+    got: list = []
+
+    def wait() -> None:
+        with held(server, key, ttl=30, wait=30, owner_id="plain-waiter"):
+            got.append(True)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.client.llen(key + ":q") == 1, 20, 0.02, "the plain waiter to park")
+        out = CliRunner().invoke(locks, ["show", key, "--json"], obj=CLIContext(app=app, no_color=True, workdir=None))
+        assert out.exit_code == 0, out.output
+        (entry,) = json.loads(out.output)["line"]
+        assert entry["owner"] == "plain-waiter" and entry["kind"] == "plain code"
+        assert entry["state"] == "parked", entry
+    finally:
+        holder.release()
+        thread.join(20)
+    assert got == [True]  # it was woken and took the key
+
+
 def _check_list(lock: redis.Redis, w, key: str, other_key: str, holder, skipper) -> None:
     """``locks list`` (text, JSON, --task) while ``holder`` holds ``key`` with one waiter parked and
     ``skipper`` holds ``other_key``, in ``w``'s children."""
