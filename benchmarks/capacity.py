@@ -121,9 +121,7 @@ def _commands(variant: str, shas: dict[str, str], tag: str, i: int) -> tuple[byt
         digest = hashlib.sha256(f"{tag}:{i}".encode()).hexdigest()[:32]
         keys = layout.lock_keys(f"singleton_lock:bench.ours:{{{digest}}}")
         # what LockServer.acquire sends for a fresh delivery, and its release for a success kept nowhere
-        # ACQUIRE's fresh path: the lock, its line and a reply key (unused by it), 3 arguments
-        acquire = wire.pack(shas["acquire"], (*keys[:2], layout.reply(keys[0], uuid.uuid4().hex[:16])),
-                            (token, wire.meta(owner), "30000"))
+        acquire = wire.pack(shas["acquire"], keys[:2], (token, wire.meta(owner), "30000"))  # ACQUIRE's fresh path
         release = wire.pack(shas["release"], keys[:2], (token + " ",))  # RELEASE's fresh path: 2 keys, 1 argument
         return acquire, release
     key = "cookbook-lock-" + hashlib.md5(f"{tag}:{i}".encode()).hexdigest()

@@ -32,7 +32,7 @@ import time
 
 def sha_of(script: str, keys: int = 0) -> bytes:
     """What an EVALSHA of ``script`` carries on the wire: the pattern that arms the proxy for it.
-    ``keys``: only its calls with that many keys (ACQUIRE's and RELEASE's fresh path: 3 and 2 keys)."""
+    ``keys``: only its calls with that many keys (ACQUIRE's and RELEASE's fresh path: 2; the whole script: 5)."""
     sha = hashlib.sha1(script.encode()).hexdigest().encode()
     return sha + b"\r\n$%d\r\n%d\r\n" % (len(str(keys)), keys) if keys else sha
 

@@ -72,7 +72,7 @@ class ScriptClient:
         return sha
 
     def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False,
-            request_id: str = "", once: bool = False) -> Any:
+            request_id: str = "", fresh: bool = False, once: bool = False) -> Any:
         """EVALSHA, loading the script once and again after NOSCRIPT (restart, SCRIPT FLUSH, failover).
 
         ``replicated``: with ``min_replicas``, also WAIT for the replicas in the
@@ -83,12 +83,12 @@ class ScriptClient:
         (:func:`.kept.may_resend`): a kept script carries a request id (one more key) whose kept
         reply answers the second send as the first; any other is never sent twice. ``request_id``: the
         caller's, to send a kept call again itself later (within ``kept.KEEP_MS``) and read its first answer.
-        ``once``: a call the script's fast path answers whole, that must not be sent twice (a fresh
-        release: see fresh.py): no request id, and never sent again.
+        ``fresh``: a call the script's fresh path answers whole, ahead of the kept reply (see fresh.py): no
+        request id. ``once``: never sent twice (a fresh release).
         """
         wait = replicated and self.min_replicas > 0
         resend = not once and kept.may_resend(script)
-        if script in kept.KEPT and not once:
+        if script in kept.KEPT and not fresh:
             keys = (*keys, layout.reply(keys[0], request_id or secrets.token_hex(8)))
         try:
             try:

@@ -153,7 +153,7 @@ class LockServer(ScriptClient):
             fresh = not (entry or take_back or check_done)
             if fresh:  # a fresh delivery: three arguments, the script's fresh path (see fresh.py)
                 reply: Any = self.run(scripts.ACQUIRE, (key, layout.line(key)),
-                                      (token, wire.meta(owner_id), ms(ttl)), replicated=True)
+                                      (token, wire.meta(owner_id), ms(ttl)), replicated=True, fresh=True)
             else:
                 reply = self.run(
                     scripts.ACQUIRE,
@@ -238,7 +238,7 @@ class LockServer(ScriptClient):
         if lock.pid != os.getpid():
             return Released(Release.NOT_HERE)
         if lock.fresh and not (remember or again or cooldown):  # the lightest way
-            if self.run(scripts.RELEASE, (lock.key, layout.line(lock.key)), (lock.prefix,), once=True) == 1:
+            if self.run(scripts.RELEASE, (lock.key, layout.line(lock.key)), (lock.prefix,), fresh=True, once=True) == 1:
                 lock.released = True
                 return Released(Release.DELETED)  # (else: a line, or gone)
         args = (lock.prefix, lock.owner_id or "", "1" if succeeded else "0", str(ms(remember)) if remember else "0",

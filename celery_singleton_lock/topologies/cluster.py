@@ -209,9 +209,10 @@ class ClusterLockServer(LockServer):
         return sha
 
     def run(self, script: str, keys: Sequence[str], args: Sequence[Any], *, replicated: bool = False,
-            request_id: str = "", once: bool = False) -> Any:
+            request_id: str = "", fresh: bool = False, once: bool = False) -> Any:
         try:
-            return super().run(script, keys, args, replicated=replicated, request_id=request_id, once=once)
+            return super().run(script, keys, args, replicated=replicated, request_id=request_id, fresh=fresh,
+                               once=once)
         except RedisClusterException as exc:  # e.g. no node could be reached to load a script
             raise LockBackendUnavailable(self.url, str(exc)) from exc
 
