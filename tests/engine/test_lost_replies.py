@@ -144,6 +144,28 @@ def test_a_release_sent_twice_is_not_a_lost_lock(pair):
     assert lost == clean, f"a release sent twice answered {lost!r}, not {clean!r}"
 
 
+def test_an_operators_release_sent_twice_still_hands_the_key_on(pair):
+    """``celery locks release`` sends the holder's own RELEASE in its name. Its reply lost and sent again,
+    the second send must answer as the first (released, the key handed to the waiter, its turn sent
+    once), not "another holds it" (the key is reserved for the waiter by then)."""
+    from celery_singleton_lock.engine.lock import Forced
+
+    def force(server: LockServer, name: str) -> Any:
+        holder = pair.direct.acquire(name, 10, owner_id="holder")
+        assert isinstance(holder, Lock)
+        entry = queue.new_entry()
+        assert queue.park(pair.direct, name, entry, kind="t", wait=30, ttl=10, owner_id="waiter",
+                          message=b"m").place == 1
+        pair.sent.clear()
+        done = server.force_release(slot_safe(name))
+        return (done.status, done.value.startswith(holder.prefix.encode()),
+                [(h.what, h.entry == entry) for h in done.handoffs], len(pair.sent))
+
+    clean, lost = twice(pair, scripts.RELEASE, force, keys=5)
+    assert clean == (Forced.RELEASED, True, [("run", True)], 1)
+    assert lost == clean, f"an operator's release sent twice answered {lost!r}, not {clean!r}"
+
+
 def test_a_leave_sent_twice_still_passes_the_key_on(pair):
     """A waiter the key was reserved for leaves (it gave up): LEAVE passes the key to the next one. That
     reply lost and LEAVE sent again, the second found the entry gone: nothing was passed on, and the next
